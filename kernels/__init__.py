@@ -1,0 +1,1 @@
+"""Triton kernels for the hot stages, each with a torch reference (`*_ref`)."""
