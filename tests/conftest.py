@@ -1,0 +1,112 @@
+"""Shared fixtures: tiny random Llama-family models saved as real HF directories.
+
+The tokenizer is a small byte-level BPE trained here with `tokenizers`, so the real loading
+path (config.json + safetensors + tokenizer files) runs in every test.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "list three colours: red, green and blue",
+    "def add(a, b):\n    return a + b",
+    "once upon a time there was a small robot who liked to count numbers",
+    "what causes the tides? the moon pulls on the oceans",
+    "compute 12 * 7 = 84 and 9 + 10 = 19",
+    "rewrite this sentence in a formal tone please",
+] * 20
+
+
+def build_tokenizer(out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    return fast
+
+
+def build_tiny_model(
+    out: Path, *, model_type: str = "llama", layers: int = 3, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+    seed: int = 0, init_std: float = 0.08, tokenizer_dir: Path | None = None,
+) -> Path:
+    """A random Llama/Qwen2 model saved with save_pretrained (safetensors) plus tokenizer files."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_dir is None:
+        tok = build_tokenizer(out)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        tok.save_pretrained(str(out))
+    common = dict(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2 + 8, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+        rms_norm_eps=1e-5, initializer_range=init_std, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    if model_type == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=10000.0))
+        with torch.no_grad():  # random biases, so the q/k/v bias path is exercised
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.1)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory, tiny_dir) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), model_type="qwen2", kv_heads=1, seed=1,
+                            tokenizer_dir=tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory, tiny_dir) -> Path:
+    """A different, smaller random model with the same tokenizer (a never-agreeing drafter)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), layers=1, hidden=32, heads=2, kv_heads=1,
+                            seed=7, tokenizer_dir=tiny_dir)
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path

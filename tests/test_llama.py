@@ -1,0 +1,101 @@
+"""Our packed-forward runtime against transformers' model on the same weights (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spin_batch.models.loader import load_model, read_spec
+from spin_batch.models.llama import ModelSpec, UnsupportedModelError
+from spin_batch.models.segments import Segments
+
+ATOL = 2e-4
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()  # [T, V]
+
+
+@pytest.mark.parametrize("which", ["tiny_dir", "tiny_qwen_dir"])
+def test_prefill_logits_match_transformers(request, which):
+    path = request.getfixturevalue(which)
+    ours = load_model(path)
+    ref = hf_model(path)
+    ids = torch.randint(0, ours.spec.vocab_size, (23,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = ours.allocate_cache(slots=2, max_len=64)
+    got = ours.forward(torch.tensor(ids), Segments.build([(1, len(ids), 0)]), cache)
+    torch.testing.assert_close(got, hf_logits(ref, ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("which", ["tiny_dir", "tiny_qwen_dir"])
+def test_mixed_batch_decode_and_chunks_match_transformers(request, which):
+    """Slots at different cache lengths, fed 1, 3 and 5 new tokens in one packed forward."""
+    path = request.getfixturevalue(which)
+    ours = load_model(path)
+    ref = hf_model(path)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, ours.spec.vocab_size, (n,), generator=g).tolist() for n in (9, 17, 4)]
+    cache = ours.allocate_cache(slots=4, max_len=64)
+    slots = [3, 0, 2]
+    prefix = [5, 14, 3]  # tokens prefilled first, in one packed forward of three chunks
+    ours.forward(
+        torch.tensor(sum((s[:p] for s, p in zip(seqs, prefix)), [])),
+        Segments.build([(sl, p, 0) for sl, p in zip(slots, prefix)]),
+        cache,
+        logits_rows=[],
+    )
+    new = [len(s) - p for s, p in zip(seqs, prefix)]  # 4, 3, 1
+    seg = Segments.build([(sl, n, p) for sl, n, p in zip(slots, new, prefix)])
+    got = ours.forward(torch.tensor(sum((s[p:] for s, p in zip(seqs, prefix)), [])), seg, cache)
+    for i, (s, p) in enumerate(zip(seqs, prefix)):
+        want = hf_logits(ref, s)[p:]
+        torch.testing.assert_close(got[seg.starts[i] : seg.starts[i + 1]], want, atol=ATOL, rtol=0)
+
+
+def test_early_exit_logits_match_truncated_model(tiny_dir):
+    """num_layers=L equals the HF model's hidden state after L layers, then final norm + head."""
+    ours = load_model(tiny_dir)
+    ref = hf_model(tiny_dir)
+    ids = list(range(3, 15))
+    cache = ours.allocate_cache(slots=1, max_len=32)
+    got = ours.forward(torch.tensor(ids), Segments.build([(0, len(ids), 0)]), cache, num_layers=1)
+    with torch.no_grad():
+        out = ref(torch.tensor([ids]), output_hidden_states=True)
+        want = ref.lm_head(ref.model.norm(out.hidden_states[1]))[0]
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_rollback_overwrites_stale_cache(tiny_dir):
+    """Moving a slot's length back and writing again gives the logits of the new sequence."""
+    ours = load_model(tiny_dir)
+    ref = hf_model(tiny_dir)
+    cache = ours.allocate_cache(slots=1, max_len=32)
+    ours.forward(torch.tensor([5, 6, 7, 8, 9, 10]), Segments.build([(0, 6, 0)]), cache)
+    # keep 3 tokens, then feed a different continuation
+    got = ours.forward(torch.tensor([20, 21]), Segments.build([(0, 2, 3)]), cache)
+    torch.testing.assert_close(got, hf_logits(ref, [5, 6, 7, 20, 21])[3:], atol=ATOL, rtol=0)
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(UnsupportedModelError, match="supported: llama, mistral, qwen2"):
+        ModelSpec.from_hf_config({"model_type": "gpt2"})
+
+
+def test_spec_reads_config(tiny_dir):
+    spec = read_spec(tiny_dir)
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (3, 4, 2, 16)
+
+
+def test_segments_padding_accounting():
+    seg = Segments.build([(0, 1, 10), (1, 5, 2)])
+    assert seg.num_tokens == 6 and seg.last_rows() == [0, 5]
+    assert seg.positions.tolist() == [10, 2, 3, 4, 5, 6]
+    assert seg.padded_tokens() == 2 * 5 * 11
+    assert seg.packed_tokens() == 1 * 11 + 5 * 7
