@@ -38,8 +38,8 @@ OBJECTS = ["a red bicycle", "three paper lanterns", "a jar of honey",
            "an old brass key", "a basket of plums", "a folded map",
            "a wooden chess set", "two loaves of bread", "a striped umbrella",
            "a box of colored chalk", "a broken radio", "a bag of seeds"]
-PAST_ACTIONS = ["left", "found", "painted", "repaired", "carried", "sold",
-                "borrowed", "wrapped", "dropped", "hid"]
+PAST_ACTIONS = ["left", "found", "carried", "sold", "borrowed", "wrapped",
+                "dropped", "hid", "forgot", "noticed"]
 TIMES = ["before sunrise", "after the storm", "on a windy afternoon",
          "late at night", "during the festival", "just before lunch",
          "at the end of summer", "while everyone was asleep"]
@@ -168,7 +168,7 @@ CODE_TASKS = [
     "flattens a list of lists into a single list",
     "returns the n-th Fibonacci number",
     "checks whether a number is prime",
-    "converts a string to title case without using str.title()",
+    "returns the words of a sentence sorted by length",
     "returns the common elements of two lists",
     "computes the greatest common divisor of two integers",
     "reverses the order of words in a sentence",
@@ -216,8 +216,12 @@ DIFF_PAIRS = [("a lake", "a sea"), ("a frog", "a toad"), ("a hurricane", "a torn
               ("a fruit", "a vegetable"), ("a mountain", "a hill"),
               ("memory", "storage in a computer")]
 WHAT_CAUSES = ["thunder", "earthquakes", "rust", "wind", "fog", "a sunburn",
-               "a rainbow after rain", "volcanoes to erupt", "static electricity",
+               "hail", "volcanoes to erupt", "static electricity",
                "ocean waves"]
+
+QUESTION_STYLES = ["", "", "", " Answer in two or three sentences.",
+                   " Explain it simply.", " Give one everyday example.",
+                   " Explain it as you would to a ten-year-old."]
 
 STORY_HEROES = ["a retired astronaut", "a shy librarian", "a talking teapot",
                 "a lighthouse keeper", "a young beekeeper", "a clumsy wizard",
@@ -236,6 +240,9 @@ POEM_TOPICS = ["the first snow", "a sleepy town", "a paper boat", "the smell of 
                "a bus ride home", "fresh bread", "the sound of the sea",
                "a pair of old boots", "the moon over a field",
                "a garden after a storm", "a city waking up", "an old wooden bridge"]
+SCENES = ["a harbor at dawn", "a crowded bus station", "a kitchen on a holiday morning",
+          "a forest after rain", "a small-town fair", "a bakery before it opens",
+          "a beach in winter", "a school hallway at lunchtime", "a farm at sunset"]
 STORY_WORDS = ["lantern", "whisper", "copper", "ribbon", "thunder", "marble",
                "feather", "compass", "velvet", "puddle"]
 FIRST_LINES = [
@@ -331,13 +338,13 @@ def gen_arithmetic(r: random.Random) -> str:
         return f"What is {pct}% of {r.choice([40, 60, 80, 120, 160, 200, 240, 360])}?"
     if choice == 5:
         name = r.choice(NAMES)
-        sing, plur = r.choice(ITEMS)
+        _, plur = r.choice(ITEMS)
         price = r.choice([2, 3, 4, 5, 6, 8])
         k = r.randint(3, 12)
         return f"{name} buys {k} {plur} at ${price} each. How much does {name} spend?"
     if choice == 6:
         name = r.choice(NAMES)
-        sing, plur = r.choice(ITEMS)
+        _, plur = r.choice(ITEMS)
         c1, c2 = r.choice(CONTAINERS)
         per = r.randint(4, 15)
         boxes = r.randint(3, 9)
@@ -359,18 +366,19 @@ def gen_code(r: random.Random) -> tuple[str, str]:
 
 def gen_question(r: random.Random) -> tuple[str, str]:
     choice = r.randrange(5)
+    style = r.choice(QUESTION_STYLES)
     if choice == 0:
         q = r.choice(WHY_Q)
-        return q, q
+        return q + style, q
     if choice == 1:
         thing = r.choice(HOW_THINGS)
-        return f"How does {thing} work? Explain briefly.", thing
+        return f"How does {thing} work?" + (style or " Explain briefly."), thing
     if choice == 2:
         a, b = r.choice(DIFF_PAIRS)
-        return f"What is the difference between {a} and {b}?", a
+        return f"What is the difference between {a} and {b}?" + style, a
     if choice == 3:
         cause = r.choice(WHAT_CAUSES)
-        return f"What causes {cause}?", cause
+        return f"What causes {cause}?" + style, cause
     thing = r.choice(HOW_THINGS)
     return f"Explain to a beginner how {thing} works, in three or four sentences.", thing
 
@@ -393,7 +401,8 @@ def gen_story(r: random.Random) -> tuple[str, str]:
         return f"Begin a story with this line: \"{line}\" Write one more paragraph.", line
     if choice == 5:
         return f"Write a story in exactly three sentences about {hero}.", hero
-    return f"Describe {topic} using sights, sounds, and smells, in one short paragraph.", topic
+    scene = r.choice(SCENES)
+    return f"Describe {scene} using sights, sounds, and smells, in one short paragraph.", scene
 
 GENERATORS = {
     "copy": gen_copy, "rewrite": gen_rewrite, "list": gen_list,
@@ -420,26 +429,32 @@ def existing_prompts() -> set[str]:
 def build(n: int, seed: int) -> list[dict]:
     r = random.Random(seed)
     taken = existing_prompts()
-    topics: set[tuple[str, str]] = set()
     per_kind = {k: n // len(KINDS) + (1 if i < n % len(KINDS) else 0) for i, k in enumerate(KINDS)}
     by_kind: dict[str, list[str]] = {}
     for kind in KINDS:
         out: list[str] = []
-        tries = 0
+        # A generator may return (prompt, topic), where the topic is the source
+        # sentence, code task, question subject, ...  Each topic is used at most
+        # `limit` times; the limit starts at 1 and is raised only when no
+        # unused topic turns up, so topics repeat only for large --n.
+        uses: dict[str, int] = {}
+        limit, misses, tries = 1, 0, 0
         while len(out) < per_kind[kind]:
             tries += 1
-            if tries > 20000:
+            if tries > 200_000:
                 raise SystemExit(f"could not generate {per_kind[kind]} distinct {kind!r} prompts")
             got = GENERATORS[kind](r)
-            # A generator may return (prompt, topic): then each topic (source
-            # sentence, code task, question subject) is used at most once.
             p, topic = got if isinstance(got, tuple) else (got, None)
             key = p.strip().lower()
-            if key in taken or (topic is not None and (kind, topic) in topics):
+            if key in taken or (topic is not None and uses.get(topic, 0) >= limit):
+                misses += 1
+                if misses > 2000:
+                    limit, misses = limit + 1, 0
                 continue
+            misses = 0
             taken.add(key)
             if topic is not None:
-                topics.add((kind, topic))
+                uses[topic] = uses.get(topic, 0) + 1
             out.append(p)
         by_kind[kind] = out
     rows = [{"id": f"train-{k}-{i:03d}", "kind": k, "prompt": p}

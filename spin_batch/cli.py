@@ -1,0 +1,98 @@
+"""The `spin-batch` command line: run, validate, models."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .config import ConfigError, load_job
+
+
+def _load(job_path: str, overrides: tuple[str, ...]):
+    try:
+        return load_job(job_path, overrides)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+
+
+set_option = click.option(
+    "--set", "overrides", multiple=True, metavar="KEY=VALUE",
+    help="Override a job key, e.g. --set batch.slots=16 (repeatable).",
+)
+
+
+@click.group()
+@click.version_option(package_name="spin-batch")
+def main() -> None:
+    """Offline batch LLM inference with SPIN speculative decoding."""
+
+
+@main.command()
+@click.argument("job_path", metavar="JOB.yaml", type=click.Path(dir_okay=False))
+@set_option
+@click.option("--shard-index", type=int, default=None,
+              help="This worker's index (default: SLURM_ARRAY_TASK_ID, else 0).")
+@click.option("--num-shards", type=int, default=None,
+              help="Number of workers (default: SLURM_ARRAY_TASK_COUNT, else 1).")
+@click.option("--limit", type=int, default=None, help="Process only the first N rows of this worker's input.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (for logs).")
+def run(job_path, overrides, shard_index, num_shards, limit, no_progress):
+    """Run a job: decode every prompt and write outputs, stats and summary.json.
+
+    A rerun of the same job resumes: rows already written are skipped.
+    """
+    from .io.reader import InputError
+    from .models.loader import ModelNotFoundError
+    from .models.llama import UnsupportedModelError
+    from .runner import StopFlag, check_models, run_job
+
+    job = _load(job_path, overrides)
+    stop = StopFlag()
+    stop.install()
+    try:
+        problems = check_models(job)
+        if problems:
+            raise click.ClickException("invalid job:\n" + "\n".join(f"  {p}" for p in problems))
+        result = run_job(job, shard_index=shard_index, num_shards=num_shards, limit=limit,
+                         progress=not no_progress, stop=stop)
+    except (InputError, ModelNotFoundError, UnsupportedModelError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    s = result.summary
+    click.echo(
+        f"spin-batch: {s['rows_ok']} ok, {s['rows_error']} error rows; {s['generated_tokens']} tokens in "
+        f"{s['wall_time_s']:.1f}s ({s['generated_tokens_per_s']:.1f} tok/s); outputs in {job.output.dir}",
+        err=True,
+    )
+    if result.stopped_by is not None:
+        sys.exit(128 + result.stopped_by)
+
+
+@main.command()
+@click.argument("job_path", metavar="JOB.yaml", type=click.Path(dir_okay=False))
+@set_option
+@click.option("--no-models", is_flag=True, help="Skip model checks (input and config only).")
+def validate(job_path, overrides, no_models):
+    """Check a job file and its input data without loading any model weights."""
+    from .runner import validate_job
+
+    job = _load(job_path, overrides)
+    problems = validate_job(job, check_models_too=not no_models)
+    if problems:
+        raise click.ClickException("job has problems:\n" + "\n".join(f"  {p}" for p in problems))
+    click.echo(f"{job_path}: OK")
+
+
+@main.command()
+def models():
+    """List the builtin models and where they are cached."""
+    from .models import loader
+
+    for name, (package, folder) in loader.BUILTINS.items():
+        path = loader.cache_root() / folder
+        state = "converted" if (path / "config.json").exists() else f"not converted yet ({loader.INSTALL_HINT[name]})"
+        click.echo(f"builtin:{name}\t{path}\t{state}")
+
+
+if __name__ == "__main__":
+    main()

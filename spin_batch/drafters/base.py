@@ -1,0 +1,47 @@
+"""The drafter protocol: drafters only propose; the verifier (engine/verify.py) decides."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.sampling import SamplingParams
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter sees of one slot at one step."""
+
+    slot: int
+    tokens: list[int]  # committed tokens: prompt + generated; the last one is not yet in the target cache
+    gamma: int  # tokens asked for (>= 1); a drafter may propose fewer
+    gen: torch.Generator | None  # the request's random stream (sampling only)
+
+
+@dataclass
+class Proposal:
+    tokens: list[list[int]]  # [S] draft tokens per request, len <= gamma
+    probs: list[torch.Tensor | None]  # [S] each [len, V] draft distribution q; None: deterministic (one-hot q)
+
+
+class Drafter(ABC):
+    """A source of draft tokens. Per-slot state, if any, is keyed by the batch slot index."""
+
+    kind: str = ""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @abstractmethod
+    def propose(self, reqs: list[DraftRequest], sp: SamplingParams) -> Proposal: ...
+
+    def on_commit(self, slot: int, committed_len: int) -> None:
+        """After verification: the slot's first committed_len tokens are final."""
+
+    def on_admit(self, slot: int) -> None:
+        """A new request took this slot: forget whatever the drafter held for it."""
+
+    def cost_hint(self) -> str:
+        return self.kind

@@ -1,0 +1,70 @@
+"""Drafting with a Llama-family model: a separate small checkpoint, or the target's own first layers.
+
+A separate model keeps its own KV cache and catches up lazily: at each proposal it first feeds
+the committed tokens it has not seen (the whole prompt the first time), then drafts one token
+at a time. The early-exit drafter (early_exit.py) is this same loop run on the target's first
+L layers and the target's cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.sampling import SamplingParams, probs_from_logits, sample
+from ..models.cache import KVCache
+from ..models.llama import LlamaModel
+from ..models.segments import Segments
+from .base import Drafter, DraftRequest, Proposal
+
+
+class ModelDrafter(Drafter):
+    kind = "model"
+
+    def __init__(self, name: str, model: LlamaModel, cache: KVCache, num_layers: int | None = None):
+        super().__init__(name)
+        self.model = model
+        self.cache = cache
+        self.num_layers = num_layers
+        self.lens = [0] * cache.slots  # [slots] tokens of each slot held in this drafter's cache
+
+    def on_admit(self, slot: int) -> None:
+        self.lens[slot] = 0
+
+    def on_commit(self, slot: int, committed_len: int) -> None:
+        # Cache rows past the last committed-and-seen token are stale; the next write overwrites them.
+        self.lens[slot] = min(self.lens[slot], committed_len - 1)
+
+    def _start(self, r: DraftRequest) -> int:
+        """First token position this proposal must feed."""
+        return self.lens[r.slot]
+
+    def propose(self, reqs: list[DraftRequest], sp: SamplingParams) -> Proposal:
+        drafts: list[list[int]] = [[] for _ in reqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        # Round 0 feeds each slot's unseen committed tokens; later rounds feed the last draft token.
+        feeds = [r.tokens[self._start(r):] for r in reqs]
+        starts = [len(r.tokens) - len(f) for r, f in zip(reqs, feeds)]
+        live = list(range(len(reqs)))
+        while live:
+            seg = Segments.build([(reqs[i].slot, len(feeds[i]), starts[i]) for i in live], self.model.device)
+            flat = torch.tensor([t for i in live for t in feeds[i]], dtype=torch.long, device=self.model.device)
+            logits = self.model.forward(flat, seg, self.cache, seg.last_rows(), self.num_layers)  # [len(live), V]
+            if sp.greedy:
+                picks = logits.argmax(-1).tolist()
+            else:
+                probs = probs_from_logits(logits, sp)
+                picks = []
+                for j, i in enumerate(live):
+                    qs[i].append(probs[j])
+                    picks.append(sample(probs[j], reqs[i].gen))
+            still = []
+            for j, i in enumerate(live):
+                self.lens[reqs[i].slot] = starts[i] + len(feeds[i])
+                drafts[i].append(picks[j])
+                if len(drafts[i]) < reqs[i].gamma:
+                    starts[i] += len(feeds[i])
+                    feeds[i] = [picks[j]]
+                    still.append(i)
+            live = still
+        probs_out = [None if sp.greedy else torch.stack(q) for q in qs]
+        return Proposal(drafts, probs_out)

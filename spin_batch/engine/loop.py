@@ -1,0 +1,358 @@
+"""The batch loop: B fixed slots, refilled from the request stream, one packed forward per step.
+
+step() calls the named stages in order: select, draft, verify, accept, commit, learn. The
+verify forward is the single target forward of the step: it carries every decoding slot's
+segment (last committed token + its drafts) and the prefill chunks of newly admitted
+requests, under a per-step token budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..drafters.base import Drafter, DraftRequest, Proposal
+from ..io.reader import Request
+from ..io.writer import error_row
+from ..models.cache import KVCache
+from ..models.llama import LlamaModel
+from ..models.segments import Segments
+from ..stats import RunStats, StepRecord
+from .policy import NO_SPEC, Choice, Outcome, Policy
+from .sampling import SamplingParams, make_generator
+from .verify import Verdict, accept_greedy, accept_sampling
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    slots: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class Slot:
+    """One request in flight."""
+
+    index: int
+    req: Request
+    prompt_len: int
+    tokens: list[int]  # prompt + generated, committed
+    gen: torch.Generator | None
+    prefilled: int = 0  # prompt tokens already in the target cache
+    spec_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    pulls: Counter = field(default_factory=Counter)
+    t_start: float = field(default_factory=time.perf_counter)
+    finish_reason: str | None = None
+    text: str | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled >= self.prompt_len
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+@dataclass
+class Plan:
+    """The packed verify batch of one step."""
+
+    decode: list[Slot]  # decoding slots, in segment order
+    chunks: list[tuple[Slot, int]]  # (slot, chunk length) prefill chunks, after the decode segments
+    drafts: list[list[int]]  # [len(decode)] draft tokens per decoding slot
+    seg: Segments
+    flat: torch.Tensor  # [N] token ids
+    logits_rows: list[int]  # rows that need logits: every decode row, the last row of finishing chunks
+    finishing: list[Slot]  # slots whose prompt completes in this step (they take their first token)
+
+
+class BatchLoop:
+    def __init__(
+        self,
+        target: LlamaModel,
+        tokenizer,
+        settings: LoopSettings,
+        policy: Policy,
+        drafters: dict[str, Drafter] | None = None,
+        cache: KVCache | None = None,
+        stats: RunStats | None = None,
+    ):
+        self.target = target
+        self.tok = tokenizer
+        self.cfg = settings
+        self.policy = policy
+        self.cache = cache or target.allocate_cache(settings.slots, settings.max_model_len)
+        self.drafters = drafters or {}
+        self.stats = stats or RunStats()
+        self.slots: list[Slot | None] = [None] * settings.slots
+        self.pending_rows: list[dict] = []  # finished rows not yet handed out
+
+    # -- admission ----------------------------------------------------------------------
+
+    def admit(self, req: Request, prompt_ids: list[int]) -> None:
+        idx = self.slots.index(None)
+        gen = None if self.cfg.sampling.greedy else make_generator(self.cfg.seed, req.id or req.source)
+        self.slots[idx] = Slot(idx, req, len(prompt_ids), list(prompt_ids), gen)
+        for d in self.drafters.values():
+            d.on_admit(idx)
+        self.policy.on_admit(idx)
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots.count(None)
+
+    @property
+    def active(self) -> list[Slot]:
+        return [s for s in self.slots if s is not None]
+
+    # -- one step -----------------------------------------------------------------------
+
+    def step(self) -> list[dict]:
+        """Advance every active slot by one packed target forward; return finished rows."""
+        times: dict[str, float] = {}
+        t = time.perf_counter()
+        decode = [s for s in self.active if s.decoding]
+        choices = self.select(decode)
+        t = _lap(times, "select", t)
+        proposal = self.draft(decode, choices)
+        t = _lap(times, "draft", t)
+        plan = self.plan(decode, proposal.tokens)
+        logits = self.verify(plan)
+        t = _lap(times, "verify", t)
+        verdict = self.accept(plan, proposal, logits)
+        t = _lap(times, "accept", t)
+        generated = self.commit(plan, verdict)
+        t = _lap(times, "commit", t)
+        outcomes = [Outcome(s.index, c, len(d), k) for s, c, d, k in
+                    zip(decode, choices, plan.drafts, verdict.accepted)]
+        self.policy.learn(outcomes, times)
+        _lap(times, "learn", t)
+        self.stats.observe(self._record(plan, choices, verdict, generated, times))
+        rows, self.pending_rows = self.pending_rows, []
+        return rows
+
+    def select(self, decode: list[Slot]) -> list[Choice]:
+        caps = [self._gamma_cap(s) for s in decode]
+        if not self.drafters:
+            return [NO_SPEC for _ in decode]
+        return self.policy.choose([s.index for s in decode], caps)
+
+    def draft(self, decode: list[Slot], choices: list[Choice]) -> Proposal:
+        tokens: list[list[int]] = [[] for _ in decode]
+        probs: list[torch.Tensor | None] = [None for _ in decode]
+        by_drafter: dict[str, list[int]] = {}
+        for i, c in enumerate(choices):
+            if c.drafter is not None and c.gamma > 0:
+                by_drafter.setdefault(c.drafter, []).append(i)
+        for name, idxs in by_drafter.items():
+            reqs = [DraftRequest(decode[i].index, decode[i].tokens, choices[i].gamma, decode[i].gen) for i in idxs]
+            prop = self.drafters[name].propose(reqs, self.cfg.sampling)
+            for i, d, q in zip(idxs, prop.tokens, prop.probs):
+                tokens[i] = d[: choices[i].gamma]
+                probs[i] = None if q is None else q[: len(tokens[i])]
+        return Proposal(tokens, probs)
+
+    def plan(self, decode: list[Slot], drafts: list[list[int]]) -> Plan:
+        parts, flat, rows = [], [], []
+        for s, d in zip(decode, drafts):
+            n = len(s.tokens)
+            rows.extend(range(len(flat), len(flat) + len(d) + 1))
+            parts.append((s.index, len(d) + 1, n - 1))
+            flat.append(s.tokens[-1])
+            flat.extend(d)
+        budget = max(self.cfg.max_num_batched_tokens - len(flat), 1)
+        chunks, finishing = [], []
+        for s in self.active:
+            if s.decoding or budget <= 0:
+                continue
+            n = min(s.prompt_len - s.prefilled, budget)
+            budget -= n
+            parts.append((s.index, n, s.prefilled))
+            flat.extend(s.tokens[s.prefilled : s.prefilled + n])
+            chunks.append((s, n))
+            if s.prefilled + n == s.prompt_len:
+                rows.append(len(flat) - 1)
+                finishing.append(s)
+        seg = Segments.build(parts, self.target.device)
+        flat_t = torch.tensor(flat, dtype=torch.long, device=self.target.device)
+        return Plan(decode, chunks, drafts, seg, flat_t, rows, finishing)
+
+    def verify(self, plan: Plan) -> torch.Tensor:
+        """The step's one packed target forward; logits [len(plan.logits_rows), V]."""
+        return self.target.forward(plan.flat, plan.seg, self.cache, plan.logits_rows)
+
+    def accept(self, plan: Plan, proposal: Proposal, logits: torch.Tensor) -> Verdict:
+        """Verdicts for decoding slots, then one per finishing prefill (an empty draft)."""
+        drafts = plan.drafts + [[] for _ in plan.finishing]
+        if self.cfg.sampling.greedy:
+            return accept_greedy(logits, drafts)
+        probs = proposal.probs + [None for _ in plan.finishing]
+        gens = [s.gen for s in plan.decode] + [s.gen for s in plan.finishing]
+        return accept_sampling(logits, drafts, probs, gens, self.cfg.sampling)
+
+    def commit(self, plan: Plan, verdict: Verdict) -> int:
+        """Append new tokens, roll caches back to the committed length, finish and free slots."""
+        for s, n in plan.chunks:
+            s.prefilled += n
+        generated = 0
+        for s, new, k, d in zip(plan.decode + plan.finishing, verdict.tokens, verdict.accepted,
+                                plan.drafts + [[] for _ in plan.finishing]):
+            if d:
+                s.spec_steps += 1
+                s.draft_tokens += len(d)
+                s.accepted_tokens += k
+            generated += self._append(s, new)
+            if s.finish_reason is not None:
+                self._finish(s)
+            else:
+                for dr in self.drafters.values():
+                    dr.on_commit(s.index, len(s.tokens))
+        return generated
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _gamma_cap(self, s: Slot) -> int:
+        """Draft room: the verify segment must fit the context, and drafts past max_tokens are waste."""
+        room_ctx = self.cfg.max_model_len - len(s.tokens)
+        room_out = self.cfg.max_tokens - len(s.generated) - 1
+        return max(0, min(room_ctx, room_out))
+
+    def _append(self, s: Slot, new: list[int]) -> int:
+        added = 0
+        for t in new:
+            s.tokens.append(t)
+            added += 1
+            if t in self.cfg.eos_token_ids and not self.cfg.ignore_eos:
+                s.finish_reason = "stop"
+            elif len(s.generated) >= self.cfg.max_tokens or len(s.tokens) >= self.cfg.max_model_len:
+                s.finish_reason = "length"
+            if s.finish_reason:
+                break
+        if self.cfg.stop:
+            text = self.tok.decode(s.generated, skip_special_tokens=True)
+            cut = min((text.find(x) for x in self.cfg.stop if x in text), default=-1)
+            if cut >= 0:
+                s.finish_reason, s.text = "stop", text[:cut]
+        return added
+
+    def _finish(self, s: Slot) -> None:
+        gen = s.generated
+        if s.text is None:
+            body = gen[:-1] if gen and gen[-1] in self.cfg.eos_token_ids and not self.cfg.ignore_eos else gen
+            s.text = self.tok.decode(body, skip_special_tokens=True)
+        self.pending_rows.append({
+            "id": s.req.id,
+            "source": s.req.source,
+            "text": s.text,
+            "finish_reason": s.finish_reason,
+            "prompt_tokens": s.prompt_len,
+            "completion_tokens": len(gen),
+            "status": "ok",
+            "error": None,
+            "num_spec_steps": s.spec_steps,
+            "num_draft_tokens": s.draft_tokens,
+            "num_accepted_draft_tokens": s.accepted_tokens,
+            "mean_acceptance_length": (s.accepted_tokens + s.spec_steps) / s.spec_steps if s.spec_steps else None,
+            "drafter_pulls": dict(s.pulls),
+            "decode_time_s": time.perf_counter() - s.t_start,
+        })
+        self.stats.observe_row("ok", s.prompt_len)
+        self.slots[s.index] = None
+
+    def _record(self, plan: Plan, choices: list[Choice], verdict: Verdict, generated: int,
+                times: dict[str, float]) -> StepRecord:
+        drafted: Counter = Counter()
+        accepted: Counter = Counter()
+        spec: Counter = Counter()
+        pulls: Counter = Counter()
+        for s, c, d, k in zip(plan.decode, choices, plan.drafts, verdict.accepted):
+            name = c.drafter or "none"
+            pulls[name] += 1
+            s.pulls[name] += 1
+            if d:
+                drafted[name] += len(d)
+                accepted[name] += k
+                spec[name] += 1
+        return StepRecord(
+            active=len(plan.decode) + len(plan.chunks),
+            forward_tokens=plan.seg.num_tokens,
+            prefill_tokens=sum(n for _, n in plan.chunks),
+            generated=generated,
+            packed_cells=plan.seg.packed_tokens(),
+            padded_cells=plan.seg.padded_tokens(),
+            stage_s=times,
+            drafted=dict(drafted),
+            accepted=dict(accepted),
+            spec_steps=dict(spec),
+            pulls=dict(pulls),
+        )
+
+    # -- driving a stream ---------------------------------------------------------------
+
+    def run(
+        self,
+        requests: Iterator[Request],
+        encode: Callable[[Request], list[int]],
+        emit: Callable[[dict], None],
+        should_stop: Callable[[], bool] = lambda: False,
+        after_step: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Decode every request of the stream; hand each finished or failed row to emit.
+
+        encode(req) returns the prompt token ids, or raises ValueError for a bad row (which is
+        emitted as an error row). When should_stop() turns true, no new request is admitted
+        and the loop returns after the current step; requests in flight are not emitted.
+        """
+        stream = iter(requests)
+        exhausted = False
+        while True:
+            while not exhausted and self.free_slots and not should_stop():
+                req = next(stream, None)
+                if req is None:
+                    exhausted = True
+                    break
+                row = self._admit_or_error(req, encode)
+                if row is not None:
+                    emit(row)
+            if not self.active or should_stop():
+                return
+            for row in self.step():
+                emit(row)
+            after_step()
+
+    def _admit_or_error(self, req: Request, encode: Callable[[Request], list[int]]) -> dict | None:
+        if req.error is not None:
+            self.stats.observe_row("error", 0)
+            return error_row(req.source, req.id, req.error)
+        try:
+            ids = encode(req)
+        except ValueError as e:
+            self.stats.observe_row("error", 0)
+            return error_row(req.source, req.id, str(e))
+        if len(ids) + 1 > self.cfg.max_model_len:
+            self.stats.observe_row("error", 0)
+            return error_row(req.source, req.id,
+                             f"prompt has {len(ids)} tokens; max_model_len {self.cfg.max_model_len} leaves no room "
+                             "to generate", prompt_tokens=len(ids))
+        self.admit(req, ids)
+        return None
+
+
+def _lap(times: dict[str, float], stage: str, t0: float) -> float:
+    t = time.perf_counter()
+    times[stage] = times.get(stage, 0.0) + t - t0
+    return t

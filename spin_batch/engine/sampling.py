@@ -1,0 +1,60 @@
+"""Turning logits into distributions, and seeding each request's random stream.
+
+The same transform (temperature, then top-k, then top-p) is applied to the target's and the
+drafters' logits, so speculative sampling preserves the distribution the user asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """[M, V] logits -> [M, V] float32 probabilities after temperature, top-k and top-p."""
+    x = logits.float() / sp.temperature
+    if sp.top_k and sp.top_k < x.shape[-1]:
+        kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]  # [M, 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if sp.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_p = sorted_x.softmax(-1)
+        # drop a token when the mass strictly before it already reaches top_p (the first token always stays)
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= sp.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x.softmax(-1)
+
+
+def request_seed(job_seed: int, request_id: str) -> int:
+    """A stable 63-bit seed per request: same job seed and id give the same text on every run."""
+    digest = hashlib.blake2b(f"{job_seed}\x00{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def make_generator(job_seed: int, request_id: str) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(request_seed(job_seed, request_id))
+    return g
+
+
+def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One draw from a [V] distribution."""
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def uniform(gen: torch.Generator) -> float:
+    return float(torch.rand((), generator=gen).item())

@@ -1,0 +1,286 @@
+"""Glue from a validated JobConfig to a running BatchLoop: models, drafters, reader, writers."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import (
+    EarlyExitDrafterConfig,
+    JobConfig,
+    ModelDrafterConfig,
+    NgramDrafterConfig,
+    job_to_dict,
+)
+from .drafters.base import Drafter
+from .drafters.early_exit import EarlyExitDrafter, check_layers
+from .drafters.model import ModelDrafter
+from .drafters.ngram import NgramDrafter
+from .engine.loop import BatchLoop, LoopSettings
+from .engine.policy import make_policy
+from .engine.sampling import SamplingParams
+from .io.reader import Request, check_input, iter_requests, list_shards, shard_defaults_from_env
+from .io.writer import OutputWriter, StatsWriter, cleanup_temp, make_run_id, read_done, write_json_atomic
+from .models import loader
+from .models.llama import LlamaModel
+from .stats import RunStats
+
+
+# -- checks that need no weights -------------------------------------------------------
+
+
+def check_models(job: JobConfig) -> list[str]:
+    """Model-level problems of a job: missing models, early-exit depth, tokenizer mismatch."""
+    problems = loader.check_model_ref(job.target.model)
+    if problems:
+        return problems
+    target_dir = loader.resolve_model_dir(job.target.model)
+    spec = loader.read_spec(target_dir)
+    target_vocab = None
+    for d in job.drafters:
+        if isinstance(d, EarlyExitDrafterConfig):
+            p = check_layers(d.layers, spec.num_layers)
+            if p:
+                problems.append(f"drafters.{d.name}: {p}")
+        elif isinstance(d, ModelDrafterConfig):
+            refs = loader.check_model_ref(d.model)
+            if refs:
+                problems.extend(f"drafters.{d.name}: {r}" for r in refs)
+                continue
+            if target_vocab is None:
+                target_vocab = loader.load_tokenizer(target_dir).get_vocab()
+            draft_dir = loader.resolve_model_dir(d.model)
+            if loader.load_tokenizer(draft_dir).get_vocab() != target_vocab:
+                problems.append(f"drafters.{d.name}: tokenizer of {d.model} does not match the target's tokenizer")
+    return problems
+
+
+def validate_job(job: JobConfig, check_models_too: bool = True) -> list[str]:
+    """Everything `spin-batch validate` checks: input files and rows, then models."""
+    try:
+        shards = list_shards(job.input.paths, job.input.format)
+    except ValueError as e:
+        return [str(e)]
+    problems = check_input(shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
+                           messages_column=job.input.messages_column)
+    if check_models_too:
+        problems += check_models(job)
+    return problems
+
+
+# -- building the engine ---------------------------------------------------------------
+
+
+@dataclass
+class Engine:
+    target: LlamaModel
+    tokenizer: object
+    loop: BatchLoop
+    load_time_s: float
+
+
+def eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen_cfg = model_dir / "generation_config.json"
+    if gen_cfg.exists():
+        e = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update(e if isinstance(e, list) else [e] if e is not None else [])
+    return frozenset(ids)
+
+
+def make_encoder(tokenizer, job: JobConfig) -> Callable[[Request], list[int]]:
+    """Request -> prompt token ids; raises ValueError for a row that cannot be encoded."""
+    icfg = job.input
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if icfg.chat_template is True and not has_template:
+        raise ValueError("input.chat_template is true but the target tokenizer has no chat template")
+    template_prompts = icfg.chat_template is True or (icfg.chat_template == "auto" and has_template)
+
+    def render(messages: list[dict]) -> list[int]:
+        if not has_template:
+            raise ValueError("row has messages but the target tokenizer has no chat template")
+        if icfg.system_prompt is not None and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": icfg.system_prompt}] + messages
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # a template may raise anything (jinja errors, role checks)
+            raise ValueError(f"chat template failed: {e}") from e
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def encode(req: Request) -> list[int]:
+        if req.messages is not None:
+            ids = render([dict(m) for m in req.messages])
+        elif template_prompts:
+            ids = render([{"role": "user", "content": req.prompt}])
+        else:
+            ids = tokenizer.encode(req.prompt)
+        if not ids:
+            raise ValueError("prompt is empty after tokenization")
+        return ids
+
+    return encode
+
+
+def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: torch.device) -> dict[str, Drafter]:
+    drafters: dict[str, Drafter] = {}
+    for d in job.drafters:
+        if isinstance(d, EarlyExitDrafterConfig):
+            drafters[d.name] = EarlyExitDrafter(d.name, target, target_cache, d.layers)
+        elif isinstance(d, ModelDrafterConfig):
+            model = loader.load_model(loader.resolve_model_dir(d.model), d.dtype or job.target.dtype, device)
+            if model.spec.vocab_size != target.spec.vocab_size:
+                raise ValueError(f"drafter {d.name!r}: vocab size {model.spec.vocab_size} differs from the "
+                                 f"target's {target.spec.vocab_size}")
+            cache = model.allocate_cache(job.batch.slots, job.batch.max_model_len)
+            drafters[d.name] = ModelDrafter(d.name, model, cache)
+        elif isinstance(d, NgramDrafterConfig):
+            drafters[d.name] = NgramDrafter(d.name, d.min_ngram, d.max_ngram)
+        else:  # a kind added to config.py but not here
+            raise ValueError(f"drafter kind {d.kind!r} has no implementation")
+    return drafters
+
+
+def loop_settings(job: JobConfig, eos: frozenset[int]) -> LoopSettings:
+    s = job.sampling
+    return LoopSettings(
+        slots=job.batch.slots,
+        max_model_len=job.batch.max_model_len,
+        max_num_batched_tokens=job.batch.max_num_batched_tokens,
+        max_tokens=s.max_tokens,
+        sampling=SamplingParams(s.temperature, s.top_k, s.top_p),
+        seed=s.seed,
+        stop=s.stop,
+        ignore_eos=s.ignore_eos,
+        eos_token_ids=eos,
+    )
+
+
+def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
+    t0 = time.perf_counter()
+    device = loader.resolve_device(job.target.device)
+    target_dir = loader.resolve_model_dir(job.target.model)
+    tokenizer = loader.load_tokenizer(target_dir)
+    target = loader.load_model(target_dir, job.target.dtype, device)
+    cache = target.allocate_cache(job.batch.slots, job.batch.max_model_len)
+    drafters = build_drafters(job, target, cache, device)
+    policy = make_policy(job.spin.selector, list(drafters), job.spin.num_speculative_tokens)
+    loop = BatchLoop(target, tokenizer, loop_settings(job, eos_ids(target_dir, tokenizer)), policy, drafters,
+                     cache, stats)
+    return Engine(target, tokenizer, loop, time.perf_counter() - t0)
+
+
+# -- running a job -----------------------------------------------------------------------
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT: the loop finishes its step, outputs are flushed, the job exits."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self) -> bool:
+        return self.signum is not None
+
+    def install(self) -> None:
+        def handler(signum, frame):
+            if self.signum is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.signum = signum
+            print(f"\nspin-batch: got {signal.Signals(signum).name}; finishing the current step, flushing outputs. "
+                  "Rerun the same command to resume.", file=sys.stderr)
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+@dataclass
+class RunResult:
+    summary: dict
+    stopped_by: int | None  # signal number, or None when the input was finished
+
+
+def run_job(
+    job: JobConfig,
+    *,
+    shard_index: int | None = None,
+    num_shards: int | None = None,
+    limit: int | None = None,
+    progress: bool = True,
+    stop: StopFlag | None = None,
+    engine: Engine | None = None,
+) -> RunResult:
+    if shard_index is None or num_shards is None:
+        env_index, env_count = shard_defaults_from_env()
+        shard_index = env_index if shard_index is None else shard_index
+        num_shards = env_count if num_shards is None else num_shards
+    shards = list_shards(job.input.paths, job.input.format)
+    out = Path(job.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    worker = f"w{shard_index:04d}"
+    cleanup_temp(out, worker=worker)
+    done_sources, done_ids = read_done(out)
+    run_id = make_run_id()
+    stats = RunStats()
+    engine = engine or build_engine(job, stats)
+    engine.loop.stats = stats
+    stats.t0 = stats._last_t = stats.clock()  # throughput excludes model load
+    stop = stop or StopFlag()
+    requests = iter_requests(
+        shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
+        messages_column=job.input.messages_column, shard_index=shard_index, num_shards=num_shards,
+        done_sources=done_sources, seen_ids=set(done_ids), limit=limit,
+    )
+    writer = OutputWriter(out, worker=worker, rows_per_part=job.output.rows_per_part,
+                          flush_interval_s=job.output.flush_interval_s)
+    stats_writer = StatsWriter(out, worker=worker, run_id=run_id)
+    bar = _progress(progress, limit, len(done_sources))
+    last_interval = [time.monotonic()]
+
+    def emit(row: dict) -> None:
+        writer.add(row)
+        bar.update(1)
+
+    def after_step() -> None:
+        writer.maybe_flush()
+        now = time.monotonic()
+        bar.set_postfix_str(f"{stats.tokens_per_s():.1f} tok/s, {len(engine.loop.active)} active", refresh=False)
+        if now - last_interval[0] >= job.output.stats_interval_s:
+            stats_writer.add(stats.interval_record())
+            last_interval[0] = now
+
+    try:
+        engine.loop.run(requests, make_encoder(engine.tokenizer, job), emit, stop, after_step)
+    finally:
+        writer.close()
+        stats_writer.add(stats.interval_record())
+        stats_writer.close()
+        bar.close()
+    summary = {
+        "run_id": run_id,
+        "job": job_to_dict(job),
+        "shard_index": shard_index,
+        "num_shards": num_shards,
+        "model_load_s": engine.load_time_s,
+        "rows_skipped_as_done": len(done_sources),
+        "finished": stop.signum is None,
+        **stats.summary(),
+    }
+    name = "summary.json" if num_shards == 1 else f"summary-{worker}.json"
+    write_json_atomic(out / name, summary)
+    return RunResult(summary, stop.signum)
+
+
+def _progress(enabled: bool, limit: int | None, already: int):
+    from tqdm import tqdm
+
+    return tqdm(total=limit, initial=0, unit="row", desc="spin-batch", disable=not enabled, dynamic_ncols=True,
+                postfix=f"{already} done earlier" if already else None)

@@ -1,0 +1,113 @@
+"""Run counters: observed once per step, derived in one place (interval records, summary)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+STAGES = ("select", "draft", "verify", "accept", "commit", "learn")
+
+
+@dataclass
+class StepRecord:
+    """What one BatchLoop.step did. Filled by the loop; read only here."""
+
+    active: int  # slots busy during the step
+    forward_tokens: int  # N of the packed target forward
+    prefill_tokens: int  # of which prompt chunk tokens
+    generated: int  # tokens committed to outputs this step
+    packed_cells: int  # query x key cells computed
+    padded_cells: int  # query x key cells a padded batch would have cost
+    stage_s: dict[str, float]
+    drafted: dict[str, int] = field(default_factory=dict)  # per drafter: draft tokens proposed
+    accepted: dict[str, int] = field(default_factory=dict)  # per drafter: draft tokens accepted
+    spec_steps: dict[str, int] = field(default_factory=dict)  # per drafter: verified segments with >= 1 draft
+    pulls: dict[str, int] = field(default_factory=dict)  # per drafter (or "none"): times chosen
+
+
+class RunStats:
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.t0 = clock()
+        self.totals: dict[str, float] = defaultdict(float)
+        self.per_drafter: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._last_interval = dict(self.totals)
+        self._last_t = self.t0
+
+    def observe(self, rec: StepRecord) -> None:
+        t = self.totals
+        t["steps"] += 1
+        t["forward_tokens"] += rec.forward_tokens
+        t["prefill_tokens"] += rec.prefill_tokens
+        t["generated_tokens"] += rec.generated
+        t["packed_cells"] += rec.packed_cells
+        t["padded_cells"] += rec.padded_cells
+        t["active_slot_steps"] += rec.active
+        for stage, s in rec.stage_s.items():
+            t[f"time_{stage}_s"] += s
+        for key, src in (("drafted", rec.drafted), ("accepted", rec.accepted), ("spec_steps", rec.spec_steps),
+                         ("pulls", rec.pulls)):
+            for name, v in src.items():
+                self.per_drafter[name][key] += v
+
+    def observe_row(self, status: str, prompt_tokens: int) -> None:
+        self.totals[f"rows_{status}"] += 1
+        self.totals["prompt_tokens"] += prompt_tokens
+
+    def elapsed(self) -> float:
+        return self.clock() - self.t0
+
+    def tokens_per_s(self) -> float:
+        e = self.elapsed()
+        return self.totals["generated_tokens"] / e if e > 0 else 0.0
+
+    def interval_record(self) -> dict:
+        """Deltas since the previous call, flat, for the stats Parquet."""
+        now = self.clock()
+        dt = now - self._last_t
+        rec = {"time_s": now - self.t0, "interval_s": dt}
+        for k, v in self.totals.items():
+            rec[k] = v - self._last_interval.get(k, 0.0)
+        rec["tokens_per_s"] = rec.get("generated_tokens", 0.0) / dt if dt > 0 else 0.0
+        steps = rec.get("steps", 0.0)
+        rec["mean_active_slots"] = rec.get("active_slot_steps", 0.0) / steps if steps else 0.0
+        for name, d in self.per_drafter.items():
+            for key, v in d.items():
+                rec[f"{key}.{name}"] = v
+        self._last_interval = dict(self.totals)
+        self._last_t = now
+        return rec
+
+    def summary(self) -> dict:
+        t = self.totals
+        wall = self.elapsed()
+        steps = t["steps"]
+        drafters = {}
+        for name, d in sorted(self.per_drafter.items()):
+            spec = d.get("spec_steps", 0)
+            drafters[name] = {
+                "pulls": d.get("pulls", 0),
+                "spec_steps": spec,
+                "draft_tokens": d.get("drafted", 0),
+                "accepted_draft_tokens": d.get("accepted", 0),
+                "acceptance_rate": d["accepted"] / d["drafted"] if d.get("drafted") else None,
+                "mean_acceptance_length": (d.get("accepted", 0) + spec) / spec if spec else None,
+            }
+        return {
+            "wall_time_s": wall,
+            "rows_ok": int(t["rows_ok"]),
+            "rows_error": int(t["rows_error"]),
+            "prompt_tokens": int(t["prompt_tokens"]),
+            "generated_tokens": int(t["generated_tokens"]),
+            "generated_tokens_per_s": t["generated_tokens"] / wall if wall > 0 else 0.0,
+            "steps": int(steps),
+            "target_forward_tokens": int(t["forward_tokens"]),
+            "target_forwards_per_generated_token": steps / t["generated_tokens"] if t["generated_tokens"] else None,
+            "mean_active_slots": t["active_slot_steps"] / steps if steps else 0.0,
+            "padded_attention_cells": int(t["padded_cells"]),
+            "packed_attention_cells": int(t["packed_cells"]),
+            "padding_saved_fraction": 1 - t["packed_cells"] / t["padded_cells"] if t["padded_cells"] else 0.0,
+            "stage_time_s": {s: t.get(f"time_{s}_s", 0.0) for s in STAGES},
+            "drafters": drafters,
+        }

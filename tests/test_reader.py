@@ -1,0 +1,433 @@
+"""Tests for spin_batch.io.reader."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from spin_batch.io import reader
+from spin_batch.io.reader import (
+    InputError,
+    Request,
+    assign,
+    check_input,
+    iter_requests,
+    list_shards,
+    shard_defaults_from_env,
+)
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    """Write rows (dicts are JSON-encoded, str/bytes written verbatim) one per line."""
+    with open(path, "wb") as handle:
+        for row in rows:
+            if isinstance(row, bytes):
+                handle.write(row + b"\n")
+            elif isinstance(row, str):
+                handle.write(row.encode("utf-8") + b"\n")
+            else:
+                handle.write(json.dumps(row).encode("utf-8") + b"\n")
+    return path
+
+
+def write_parquet(path: Path, columns: dict, **kwargs) -> Path:
+    pq.write_table(pa.table(columns), path, **kwargs)
+    return path
+
+
+def prompts_file(path: Path, start: int, count: int) -> Path:
+    rows = [{"id": f"r{i}", "prompt": f"p{i}"} for i in range(start, start + count)]
+    if path.suffix == ".parquet":
+        return write_parquet(path, {"id": [r["id"] for r in rows], "prompt": [r["prompt"] for r in rows]})
+    return write_jsonl(path, rows)
+
+
+def all_requests(path_or_paths, **kwargs) -> list[Request]:
+    paths = path_or_paths if isinstance(path_or_paths, list) else [path_or_paths]
+    return list(iter_requests(list_shards([str(p) for p in paths]), **kwargs))
+
+
+# --------------------------------------------------------------------------
+# list_shards
+# --------------------------------------------------------------------------
+
+
+def test_list_shards_files_globs_and_directories(tmp_path: Path) -> None:
+    (tmp_path / "sub" / "deep").mkdir(parents=True)
+    a = prompts_file(tmp_path / "a.jsonl", 0, 1)
+    b = prompts_file(tmp_path / "b.parquet", 0, 1)
+    c = prompts_file(tmp_path / "sub" / "c.jsonl", 0, 1)
+    d = prompts_file(tmp_path / "sub" / "deep" / "d.parquet", 0, 1)
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "meta.json").write_text("{}")
+    (tmp_path / ".hidden.jsonl").write_text("")
+
+    assert list_shards([str(tmp_path)]) == sorted([a.resolve(), b.resolve()])
+    assert list_shards([str(tmp_path / "**" / "*.parquet")]) == sorted([b.resolve(), d.resolve()])
+    assert list_shards([str(tmp_path / "sub" / "*")]) == [c.resolve()]
+    # explicit file + overlapping glob -> de-duplicated, sorted, absolute
+    got = list_shards([str(c), str(tmp_path / "*.jsonl"), str(c)])
+    assert got == sorted([a.resolve(), c.resolve()])
+    assert all(p.is_absolute() for p in got)
+
+
+def test_list_shards_format_restricts(tmp_path: Path) -> None:
+    a = prompts_file(tmp_path / "a.jsonl", 0, 1)
+    b = prompts_file(tmp_path / "b.parquet", 0, 1)
+    assert list_shards([str(tmp_path)], fmt="jsonl") == [a.resolve()]
+    assert list_shards([str(tmp_path)], fmt="parquet") == [b.resolve()]
+    with pytest.raises(InputError, match="parquet"):
+        list_shards([str(a)], fmt="parquet")
+    with pytest.raises(InputError, match="unknown input format"):
+        list_shards([str(a)], fmt="csv")
+
+
+def test_list_shards_no_match_names_entry(tmp_path: Path) -> None:
+    prompts_file(tmp_path / "a.jsonl", 0, 1)
+    missing = str(tmp_path / "nope" / "*.jsonl")
+    with pytest.raises(InputError, match="nope"):
+        list_shards([str(tmp_path / "a.jsonl"), missing])
+    with pytest.raises(InputError, match="missing.jsonl"):
+        list_shards([str(tmp_path / "missing.jsonl")])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(InputError, match="empty"):
+        list_shards([str(empty)])
+    (tmp_path / "x.csv").write_text("id\n")
+    with pytest.raises(InputError, match="unsupported"):
+        list_shards([str(tmp_path / "x.csv")])
+
+
+# --------------------------------------------------------------------------
+# env defaults and assign
+# --------------------------------------------------------------------------
+
+
+def test_shard_defaults_from_env() -> None:
+    assert shard_defaults_from_env({}) == (0, 1)
+    assert shard_defaults_from_env({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "4"}) == (2, 4)
+    env = {"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "5"}
+    assert shard_defaults_from_env(env) == (2, 4)
+    env = {"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_MAX": "6", "SLURM_ARRAY_TASK_STEP": "2"}
+    assert shard_defaults_from_env(env) == (2, 4)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"SLURM_ARRAY_TASK_ID": "x", "SLURM_ARRAY_TASK_COUNT": "4"},
+        {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "four"},
+        {"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_COUNT": "4"},
+        {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "0"},
+        {"SLURM_ARRAY_TASK_ID": "1"},
+        {"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "3"},
+    ],
+)
+def test_shard_defaults_from_env_bad_values(env: dict) -> None:
+    with pytest.raises(InputError):
+        shard_defaults_from_env(env)
+
+
+def test_assign_file_mode_and_row_mode() -> None:
+    files = [Path(f"/d/{i}.jsonl") for i in range(5)]
+    assert assign(files, 1, 2) == ([files[1], files[3]], None)
+    assert assign(files, 0, 5) == ([files[0]], None)
+    assert assign(files, 0, 1) == (files, None)
+    assert assign(files[:2], 2, 3) == (files[:2], 3)
+    for index, count in [(-1, 2), (2, 2), (0, 0)]:
+        with pytest.raises(InputError):
+            assign(files, index, count)
+
+
+@pytest.mark.parametrize("num_files", [2, 5])
+def test_workers_cover_every_row_exactly_once(tmp_path: Path, num_files: int) -> None:
+    for i in range(num_files):
+        suffix = ".parquet" if i % 2 else ".jsonl"
+        prompts_file(tmp_path / f"f{i}{suffix}", i * 100, 7 + i)
+    shards = list_shards([str(tmp_path)])
+    everything = [r.source for r in iter_requests(shards)]
+    assert len(everything) == len(set(everything)) == sum(7 + i for i in range(num_files))
+
+    per_worker = [[r.source for r in iter_requests(shards, shard_index=w, num_shards=3)] for w in range(3)]
+    combined = [s for sources in per_worker for s in sources]
+    assert sorted(combined) == sorted(everything)
+    assert all(sources for sources in per_worker)
+
+
+# --------------------------------------------------------------------------
+# iter_requests: good rows
+# --------------------------------------------------------------------------
+
+
+def test_jsonl_rows_sources_and_blank_lines(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "in.jsonl",
+        [{"id": 1, "prompt": "hello"}, "", "   ", {"id": "b", "prompt": "world"}],
+    )
+    got = all_requests(path)
+    base = str(path.resolve())
+    assert got == [
+        Request(f"{base}#0", "1", "hello", None),
+        Request(f"{base}#3", "b", "world", None),
+    ]
+    assert all(r.ok for r in got)
+
+
+def test_jsonl_utf8_bom_and_crlf(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "x"}\r\n{"id": "b", "prompt": "y"}\r\n')
+    got = all_requests(path)
+    assert [(r.id, r.prompt, r.ok) for r in got] == [("a", "x", True), ("b", "y", True)]
+
+
+def test_parquet_rows_and_custom_columns(tmp_path: Path) -> None:
+    path = write_parquet(
+        tmp_path / "in.parquet",
+        {"uid": [10, 11], "text": ["a", "b"], "other": [1.0, 2.0]},
+    )
+    got = all_requests(path, id_column="uid", prompt_column="text")
+    base = str(path.resolve())
+    assert got == [Request(f"{base}#0", "10", "a", None), Request(f"{base}#1", "11", "b", None)]
+
+
+def test_messages_rows_jsonl_and_parquet(tmp_path: Path) -> None:
+    chat = [{"role": "system", "content": ""}, {"role": "user", "content": "hi"}]
+    jsonl = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [{"id": "a", "messages": chat, "prompt": "ignored"}, {"id": "b", "messages": None, "prompt": "plain"}],
+    )
+    got = all_requests(jsonl)
+    assert got[0].messages == tuple(chat) and got[0].prompt is None and got[0].ok
+    assert got[1].prompt == "plain" and got[1].messages is None
+
+    parquet = write_parquet(tmp_path / "chat.parquet", {"id": ["c", "d"], "messages": [chat, None]})
+    got = all_requests(parquet)
+    assert got[0].ok and got[0].messages == tuple(chat)
+    assert got[1].error == "missing prompt" and got[1].id == "d"
+
+
+# --------------------------------------------------------------------------
+# iter_requests: bad rows
+# --------------------------------------------------------------------------
+
+BAD_ROWS = [
+    (b'{"id": "a", "prompt": ', "invalid JSON", None),
+    (b"[1, 2]", "row must be a JSON object, got list", None),
+    (b'{"id": "\xff\xfe", "prompt": "x"}', "invalid UTF-8", None),
+    (b'{"prompt": "x"}', "missing id", None),
+    (b'{"id": null, "prompt": "x"}', "missing id", None),
+    (b'{"id": true, "prompt": "x"}', "id must be a string or integer, got bool", None),
+    (b'{"id": 1.5, "prompt": "x"}', "id must be a string or integer, got float", None),
+    (b'{"id": "", "prompt": "x"}', "empty id", None),
+    (b'{"id": "m1"}', "missing prompt", "m1"),
+    (b'{"id": "m2", "prompt": null, "messages": null}', "missing prompt", "m2"),
+    (b'{"id": "t", "prompt": 5}', "prompt must be a string, got int", "t"),
+    (b'{"id": "e", "prompt": ""}', "empty prompt", "e"),
+    (b'{"id": "w", "prompt": " \\n\\t"}', "empty prompt", "w"),
+    (b'{"id": "g1", "messages": []}', "messages must not be empty", "g1"),
+    (b'{"id": "g2", "messages": "hi"}', "messages must be a list", "g2"),
+    (b'{"id": "g3", "messages": ["hi"]}', "messages[0] must be an object", "g3"),
+    (b'{"id": "g4", "messages": [{"role": "user"}]}', "messages[0].content must be a string", "g4"),
+    (b'{"id": "g5", "messages": [{"content": "x"}]}', "messages[0].role", "g5"),
+    (b'{"id": "g6", "messages": [{"role": "user", "content": 3}]}', "messages[0].content", "g6"),
+]
+
+
+@pytest.mark.parametrize(("line", "message", "row_id"), BAD_ROWS)
+def test_bad_row_becomes_error_and_stream_continues(tmp_path: Path, line: bytes, message: str, row_id) -> None:
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"id": "before", "prompt": "ok"}, line, {"id": "after", "prompt": "ok"}])
+    got = all_requests(path)
+    assert [r.ok for r in got] == [True, False, True]
+    bad = got[1]
+    assert bad.source.endswith("#1")
+    assert message in bad.error
+    assert bad.id == row_id
+    assert bad.prompt is None and bad.messages is None
+
+
+def test_all_bad_rows_in_one_file(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "bad.jsonl", [line for line, _, _ in BAD_ROWS] + [{"id": "z", "prompt": "ok"}])
+    got = all_requests(path)
+    assert len(got) == len(BAD_ROWS) + 1
+    assert [r.ok for r in got] == [False] * len(BAD_ROWS) + [True]
+
+
+def test_parquet_bad_rows(tmp_path: Path) -> None:
+    path = write_parquet(
+        tmp_path / "bad.parquet",
+        {"id": ["a", None, "", "d"], "prompt": ["x", "y", "z", "   "]},
+    )
+    assert [r.error for r in all_requests(path)] == [None, "missing id", "empty id", "empty prompt"]
+
+
+# --------------------------------------------------------------------------
+# duplicates, resume, limit
+# --------------------------------------------------------------------------
+
+
+def test_duplicate_ids_within_run_and_prefilled(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "dup.jsonl",
+        [
+            {"id": "a", "prompt": "1"},
+            {"id": "a", "prompt": "2"},
+            {"id": 7, "prompt": "3"},
+            {"id": "7", "prompt": "4"},
+            {"id": "b", "prompt": ""},
+            {"id": "b", "prompt": "5"},
+            {"id": "old", "prompt": "6"},
+        ],
+    )
+    seen = {"old"}
+    got = all_requests(path, seen_ids=seen)
+    assert [r.error for r in got] == [
+        None,
+        "duplicate id 'a'",
+        None,
+        "duplicate id '7'",
+        "empty prompt",
+        None,
+        "duplicate id 'old'",
+    ]
+    assert got[1].id == "a"
+    assert seen == {"a", "7", "b", "old"}
+
+
+def test_done_sources_are_skipped(tmp_path: Path) -> None:
+    path = prompts_file(tmp_path / "in.jsonl", 0, 5)
+    first = all_requests(path)
+    done = {first[0].source, first[2].source}
+    again = all_requests(path, done_sources=done)
+    assert [r.id for r in again] == ["r1", "r3", "r4"]
+
+
+def test_resume_keeps_duplicate_detection(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "1"}, {"id": "a", "prompt": "2"}])
+    first = all_requests(path)
+    resumed = all_requests(path, done_sources={first[0].source})
+    assert [r.error for r in resumed] == ["duplicate id 'a'"]
+
+
+def test_limit_counts_rows_before_resume_skipping(tmp_path: Path) -> None:
+    path = prompts_file(tmp_path / "in.jsonl", 0, 20)
+    first = all_requests(path, limit=10)
+    assert [r.id for r in first] == [f"r{i}" for i in range(10)]
+    done = {r.source for r in first}
+    assert all_requests(path, limit=10, done_sources=done) == []
+    assert [r.id for r in all_requests(path, limit=12, done_sources=done)] == ["r10", "r11"]
+    assert all_requests(path, limit=0) == []
+
+
+def test_limit_applies_to_this_workers_rows(tmp_path: Path) -> None:
+    path = prompts_file(tmp_path / "in.jsonl", 0, 20)
+    got = all_requests(path, shard_index=1, num_shards=2, limit=3)
+    assert [r.id for r in got] == ["r1", "r3", "r5"]
+
+
+def test_limit_stops_before_opening_next_file(tmp_path: Path) -> None:
+    prompts_file(tmp_path / "a.jsonl", 0, 3)
+    (tmp_path / "b.parquet").write_bytes(b"not parquet")
+    assert len(all_requests([tmp_path / "a.jsonl", tmp_path / "b.parquet"], limit=3)) == 3
+
+
+# --------------------------------------------------------------------------
+# file-level errors and streaming
+# --------------------------------------------------------------------------
+
+
+def test_parquet_missing_columns_raise(tmp_path: Path) -> None:
+    no_id = write_parquet(tmp_path / "noid.parquet", {"prompt": ["x"]})
+    with pytest.raises(InputError, match="noid.parquet"):
+        all_requests(no_id)
+    no_prompt = write_parquet(tmp_path / "noprompt.parquet", {"id": ["x"], "text": ["y"]})
+    with pytest.raises(InputError, match="noprompt.parquet"):
+        all_requests(no_prompt)
+
+
+def test_unreadable_parquet_raises_input_error(tmp_path: Path) -> None:
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"garbage")
+    with pytest.raises(InputError, match="broken.parquet"):
+        all_requests(path)
+
+
+def test_large_parquet_is_streamed_lazily(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    n = 200_000
+    path = write_parquet(
+        tmp_path / "big.parquet",
+        {"id": pa.array(range(n), pa.int64()), "prompt": pa.array(["p"] * n), "unused": pa.array([0] * n)},
+        row_group_size=50_000,
+    )
+    calls = []
+    original = pq.ParquetFile.iter_batches
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    monkeypatch.setattr(pq, "read_table", lambda *a, **k: pytest.fail("read_table must not be used"))
+    stream = iter_requests(list_shards([str(path)]), batch_rows=8)
+    first = list(itertools.islice(stream, 3))
+    assert [r.id for r in first] == ["0", "1", "2"]
+    assert len(calls) == 1
+    assert calls[0]["batch_size"] == 8
+    assert "unused" not in calls[0]["columns"]
+    stream.close()
+
+
+def test_iter_requests_is_lazy_about_files(tmp_path: Path) -> None:
+    prompts_file(tmp_path / "a.jsonl", 0, 2)
+    (tmp_path / "b.parquet").write_bytes(b"garbage")
+    stream = iter_requests(list_shards([str(tmp_path)]))
+    assert next(stream).id == "r0"
+    assert next(stream).id == "r1"
+    with pytest.raises(InputError):
+        next(stream)
+
+
+# --------------------------------------------------------------------------
+# check_input
+# --------------------------------------------------------------------------
+
+
+def test_check_input_ok(tmp_path: Path) -> None:
+    prompts_file(tmp_path / "a.jsonl", 0, 3)
+    prompts_file(tmp_path / "b.parquet", 3, 3)
+    assert check_input(list_shards([str(tmp_path)])) == []
+
+
+def test_check_input_reports_problems(tmp_path: Path) -> None:
+    a = write_jsonl(
+        tmp_path / "a.jsonl",
+        [{"id": "x", "prompt": "1"}, {"id": "y", "prompt": ""}, {"id": "z", "prompt": " "}, "{oops"],
+    )
+    b = write_parquet(tmp_path / "b.parquet", {"id": ["q", "x"], "prompt": ["2", "3"]})
+    c = write_parquet(tmp_path / "c.parquet", {"id": ["w"], "body": ["4"]})
+    problems = check_input(list_shards([str(tmp_path)]))
+    text = "\n".join(problems)
+    assert f"duplicate id 'x': {a.resolve()}#0 and {b.resolve()}#1" in text
+    assert "c.parquet" in text and "'prompt'" in text
+    assert f"2 bad rows (empty prompt); first at {a.resolve()}#1" in text
+    assert "1 bad row (invalid JSON)" in text
+    assert len(problems) == 4
+
+
+def test_check_input_max_rows(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "a.jsonl", [{"id": "x", "prompt": "1"}, {"id": "x", "prompt": "2"}])
+    shards = list_shards([str(tmp_path)])
+    assert check_input(shards, max_rows_scanned=1) == []
+    assert len(check_input(shards)) == 1
+
+
+def test_reader_module_exports() -> None:
+    assert set(reader.__all__) >= {"Request", "InputError", "list_shards", "iter_requests", "check_input"}
