@@ -227,7 +227,7 @@ def run_job(
     out.mkdir(parents=True, exist_ok=True)
     worker = f"w{shard_index:04d}"
     cleanup_temp(out, worker=worker)
-    done_sources, done_ids = read_done(out)
+    done_sources, _ = read_done(out)
     run_id = make_run_id()
     stats = RunStats()
     engine = engine or build_engine(job, stats)
@@ -237,9 +237,9 @@ def run_job(
     requests = iter_requests(
         shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
         messages_column=job.input.messages_column, shard_index=shard_index, num_shards=num_shards,
-        done_sources=done_sources, seen_ids=set(done_ids), limit=limit,
+        done_sources=done_sources, limit=limit,
     )
-    writer = OutputWriter(out, worker=worker, rows_per_part=job.output.rows_per_part,
+    writer = OutputWriter(out, worker=worker, run_id=run_id, rows_per_part=job.output.rows_per_part,
                           flush_interval_s=job.output.flush_interval_s)
     stats_writer = StatsWriter(out, worker=worker, run_id=run_id)
     bar = _progress(progress, limit, len(done_sources))

@@ -1,0 +1,216 @@
+"""Lossless greedy: speculative output equals autoregressive output, token for token.
+
+Each drafter kind runs with a drafter that (almost) always agrees, one that almost never does,
+and mixed gamma (0 included) within one batch, at slots 1, 3 and 8. The autoregressive
+reference is our own loop with no drafts, itself checked against transformers' generate.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spin_batch.drafters.base import Drafter, DraftRequest, Proposal
+from spin_batch.drafters.early_exit import EarlyExitDrafter
+from spin_batch.drafters.model import ModelDrafter
+from spin_batch.drafters.ngram import NgramDrafter, lookup
+from spin_batch.engine.loop import BatchLoop, LoopSettings
+from spin_batch.engine.policy import Choice, FixedDrafter, NoSpeculation, Policy
+from spin_batch.engine.sampling import SamplingParams
+from spin_batch.io.reader import Request
+from spin_batch.models.loader import load_model, load_tokenizer
+
+PROMPTS = [
+    "the quick brown fox jumps over the lazy dog. the quick brown fox",
+    "list three colours: red, green and blue. list three colours:",
+    "def add(a, b):\n    return a + b\ndef add(",
+    "once upon a time",
+    "compute 12 * 7 = 84 and 9 + 10 =",
+    "what causes the tides?",
+    "rewrite this sentence in a formal tone please",
+    "red green blue red green blue red",
+    "a",
+    "the moon pulls on the oceans and the moon",
+    "12 12 12 12",
+]
+MAX_TOKENS = 20
+
+
+class RandomDrafter(Drafter):
+    """Proposes random tokens: the target almost never agrees."""
+
+    kind = "random"
+
+    def __init__(self, vocab: int):
+        super().__init__("random")
+        self.vocab = vocab
+        self.gen = torch.Generator().manual_seed(0)
+
+    def propose(self, reqs: list[DraftRequest], sp: SamplingParams) -> Proposal:
+        return Proposal([torch.randint(0, self.vocab, (r.gamma,), generator=self.gen).tolist() for r in reqs],
+                        [None] * len(reqs))
+
+
+class MixedGamma(Policy):
+    """Different gamma per slot and per step, 0 included, cycling over the drafters."""
+
+    def __init__(self, names: list[str], max_gamma: int = 5):
+        self.names = names
+        self.max_gamma = max_gamma
+        self.t = 0
+
+    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
+        self.t += 1
+        out = []
+        for s, cap in zip(slots, caps):
+            k = s + self.t
+            g = min(k % (self.max_gamma + 1), cap)
+            name = self.names[(k // (self.max_gamma + 1)) % len(self.names)]
+            out.append(Choice(name, g) if g else Choice(None, 0))
+        return out
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    return load_model(tiny_dir), load_tokenizer(tiny_dir)
+
+
+def make_loop(target_and_tok, slots: int, policy: Policy, drafter_factories=()) -> BatchLoop:
+    model, tok = target_and_tok
+    settings = LoopSettings(slots=slots, max_model_len=128, max_num_batched_tokens=64, max_tokens=MAX_TOKENS,
+                            sampling=SamplingParams(), eos_token_ids=frozenset(), ignore_eos=True)
+    cache = model.allocate_cache(slots, settings.max_model_len)
+    drafters = {d.name: d for d in (f(model, cache, slots) for f in drafter_factories)}
+    return BatchLoop(model, tok, settings, policy, drafters, cache)
+
+
+def run(loop: BatchLoop, prompts=PROMPTS) -> dict[str, list[int]]:
+    """Greedy token ids per request id."""
+    tok = loop.tok
+    reqs = [Request(source=f"mem#{i}", id=str(i), prompt=p, messages=None) for i, p in enumerate(prompts)]
+    ids_of: dict[str, list[int]] = {}
+    rows: list[dict] = []
+
+    def encode(r: Request) -> list[int]:
+        return tok.encode(r.prompt)
+
+    # keep the finished slots' token ids: wrap _finish to record them before the slot is freed
+    orig_finish = loop._finish
+
+    def finish(s):
+        ids_of[s.req.id] = list(s.generated)
+        orig_finish(s)
+
+    loop._finish = finish
+    loop.run(iter(reqs), encode, rows.append)
+    assert len(rows) == len(prompts) and all(r["status"] == "ok" for r in rows)
+    return ids_of
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return run(make_loop(target, 1, NoSpeculation()))
+
+
+def test_reference_matches_transformers_generate(tiny_dir, target, reference):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+    _, tok = target
+    for i, p in enumerate(PROMPTS):
+        ids = torch.tensor([tok.encode(p)])
+        out = hf.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+                          pad_token_id=tok.pad_token_id)
+        assert out[0, ids.shape[1]:].tolist() == reference[str(i)], f"prompt {i}"
+
+
+@pytest.mark.parametrize("slots", [3, 7])
+def test_autoregressive_same_text_at_any_batch_size(target, reference, slots):
+    assert run(make_loop(target, slots, NoSpeculation())) == reference
+
+
+def early_exit_all(model, cache, slots):
+    return EarlyExitDrafter("exit_all", model, cache, model.spec.num_layers)
+
+
+def early_exit_1(model, cache, slots):
+    return EarlyExitDrafter("exit_1", model, cache, 1)
+
+
+def self_model(model, cache, slots):
+    """The target as its own separate model drafter (own cache): always agrees."""
+    return ModelDrafter("self", model, model.allocate_cache(slots, cache.max_len))
+
+
+def other_model_factory(draft_dir):
+    def other_model(model, cache, slots):
+        m = load_model(draft_dir)
+        return ModelDrafter("other", m, m.allocate_cache(slots, cache.max_len))
+
+    return other_model
+
+
+def ngram(model, cache, slots):
+    return NgramDrafter("ngram", 1, 3)
+
+
+def random_drafter(model, cache, slots):
+    return RandomDrafter(model.spec.vocab_size)
+
+
+AGREEING = {"early_exit": ("exit_all", early_exit_all), "model": ("self", self_model)}
+DISAGREEING = {"early_exit": ("exit_1", early_exit_1), "ngram": ("ngram", ngram), "random": ("random", random_drafter)}
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8])
+@pytest.mark.parametrize("kind", sorted(AGREEING))
+def test_agreeing_drafter_equals_autoregressive(target, reference, kind, slots):
+    name, factory = AGREEING[kind]
+    loop = make_loop(target, slots, FixedDrafter(name, 4), [factory])
+    assert run(loop) == reference
+    assert loop.stats.summary()["drafters"][name]["acceptance_rate"] > 0.9  # it really did agree, so long drafts were accepted
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8])
+@pytest.mark.parametrize("kind", sorted(DISAGREEING))
+def test_disagreeing_drafter_equals_autoregressive(target, reference, kind, slots):
+    name, factory = DISAGREEING[kind]
+    loop = make_loop(target, slots, FixedDrafter(name, 4), [factory])
+    assert run(loop) == reference
+    assert loop.stats.summary()["drafters"][name]["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_model_drafter_other_model_equals_autoregressive(target, reference, tiny_draft_dir, slots):
+    loop = make_loop(target, slots, FixedDrafter("other", 3), [other_model_factory(tiny_draft_dir)])
+    assert run(loop) == reference
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_mixed_gamma_and_drafters_in_one_batch(target, reference, tiny_draft_dir, slots):
+    factories = [early_exit_all, early_exit_1, self_model, other_model_factory(tiny_draft_dir), ngram,
+                 random_drafter]
+    names = ["exit_all", "exit_1", "self", "other", "ngram", "random"]
+    loop = make_loop(target, slots, MixedGamma(names), factories)
+    assert run(loop) == reference
+    pulls = loop.stats.summary()["drafters"]
+    assert {n for n in names if pulls.get(n, {}).get("pulls")} == set(names)
+
+
+def test_small_token_budget_chunks_prefill(target, reference):
+    """A per-step budget smaller than the prompts: prefill is chunked across steps."""
+    model, tok = target
+    settings = LoopSettings(slots=3, max_model_len=128, max_num_batched_tokens=3, max_tokens=MAX_TOKENS,
+                            sampling=SamplingParams(), ignore_eos=True)
+    cache = model.allocate_cache(3, 128)
+    loop = BatchLoop(model, tok, settings, FixedDrafter("exit_all", 3),
+                     {"exit_all": early_exit_all(model, cache, 3)}, cache)
+    assert run(loop) == reference
+
+
+def test_ngram_lookup():
+    assert lookup([1, 2, 3, 9, 1, 2], gamma=3, min_ngram=1, max_ngram=3) == [3, 9, 1]
+    assert lookup([5, 6, 7], gamma=2, min_ngram=1, max_ngram=3) == []
+    assert lookup([4, 4, 4], gamma=4, min_ngram=1, max_ngram=2) == [4]  # may propose fewer than asked
+    # the longest n-gram wins over a later shorter match
+    assert lookup([1, 2, 8, 2, 7, 1, 2], gamma=1, min_ngram=1, max_ngram=2) == [8]

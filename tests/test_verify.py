@@ -1,0 +1,149 @@
+"""The verifier on hand-built logits, and the statistical proof that sampling stays lossless."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from spin_batch.engine import verify
+from spin_batch.engine.sampling import SamplingParams, probs_from_logits
+from spin_batch.engine.verify import accept_greedy, accept_sampling
+
+V = 8
+
+
+def one_hot_logits(tokens: list[int]) -> torch.Tensor:
+    """Rows whose argmax is the given token."""
+    x = torch.zeros(len(tokens), V)
+    x[torch.arange(len(tokens)), torch.tensor(tokens)] = 5.0
+    return x
+
+
+def test_greedy_full_accept_takes_bonus():
+    v = accept_greedy(one_hot_logits([3, 4, 5, 6]), [[3, 4, 5]])
+    assert v.accepted == [3] and v.tokens == [[3, 4, 5, 6]]
+
+
+def test_greedy_first_token_reject_takes_correction():
+    v = accept_greedy(one_hot_logits([1, 4, 5, 6]), [[3, 4, 5]])
+    assert v.accepted == [0] and v.tokens == [[1]]
+
+
+def test_greedy_empty_draft_is_plain_decoding():
+    v = accept_greedy(one_hot_logits([7]), [[]])
+    assert v.accepted == [0] and v.tokens == [[7]]
+
+
+def test_greedy_mixed_batch():
+    # segment 0: gamma 2, reject at 2nd; segment 1: empty; segment 2: gamma 3, all accepted
+    rows = [2, 5, 0] + [6] + [1, 1, 2, 3]
+    v = accept_greedy(one_hot_logits(rows), [[2, 4], [], [1, 1, 2]])
+    assert v.accepted == [1, 0, 3]
+    assert v.tokens == [[2, 5], [6], [1, 1, 2, 3]]
+
+
+def test_sampling_with_certain_target_behaves_like_greedy():
+    logits = one_hot_logits([2, 5, 0, 6, 1, 1, 2, 3]) * 20  # p is one-hot up to e^-100
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    v = accept_sampling(logits, [[2, 4], [], [1, 1, 2]], [None, None, None], gens, SamplingParams(1.0))
+    assert v.accepted == [1, 0, 3]
+    assert v.tokens == [[2, 5], [6], [1, 1, 2, 3]]
+
+
+# -- distribution test --------------------------------------------------------------------
+
+N_SAMPLES = 60_000
+SIGMAS = 5.0  # per-token bound: |freq - p| < 5 * sqrt(p (1 - p) / N); a false alarm has odds ~1e-6 per token
+
+
+def _draft_sample(q: torch.Tensor, gen: torch.Generator) -> int:
+    return int(torch.multinomial(q, 1, generator=gen))
+
+
+def _first_and_second(accept_one, p_logits, q_probs, sp, n, seed):
+    """Run n independent speculative steps with gamma 2; count the first output token, and
+    the second one when the first draft token was accepted."""
+    gen = torch.Generator().manual_seed(seed)
+    p = probs_from_logits(p_logits, sp)  # [3, V]
+    first = torch.zeros(V)
+    second = torch.zeros(V)
+    for _ in range(n):
+        d = [_draft_sample(q_probs[0], gen), _draft_sample(q_probs[1], gen)]
+        k, nxt = accept_one(p, d, q_probs, gen)
+        out = d[:k] + [nxt]
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    return p, first, second
+
+
+def _within_bound(p: torch.Tensor, counts: torch.Tensor) -> tuple[bool, float]:
+    n = counts.sum().item()
+    freq = counts / n
+    sigma = torch.sqrt(p * (1 - p) / n).clamp_min(1.0 / n)
+    z = ((freq - p).abs() / sigma).max().item()
+    return z < SIGMAS, z
+
+
+def _problem():
+    g = torch.Generator().manual_seed(3)
+    p_logits = torch.randn(3, V, generator=g) * 1.5
+    q_probs = torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1)  # a draft that disagrees a lot
+    return p_logits, q_probs
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(1.0), SamplingParams(0.7, top_k=5, top_p=0.9)],
+                         ids=["plain", "temp-topk-topp"])
+def test_speculative_sampling_reproduces_target_distribution(sp):
+    p_logits, q_probs = _problem()
+    # the draft distribution goes through the same transform, as drafters do
+    q = probs_from_logits(torch.log(q_probs), sp)
+    p, first, second = _first_and_second(verify._accept_one, p_logits, q, sp, N_SAMPLES, seed=11)
+    ok1, z1 = _within_bound(p[0], first)
+    ok2, z2 = _within_bound(p[1], second)
+    assert ok1, f"first token off by {z1:.1f} sigma"
+    assert ok2, f"second token off by {z2:.1f} sigma"
+    assert second.sum() > 5_000  # enough accepted first tokens to test the second position
+
+
+def test_deterministic_draft_is_lossless():
+    """q = None (n-gram, vote): the draft token is fixed; the output must still follow p."""
+    p_logits, _ = _problem()
+    sp = SamplingParams(1.0)
+    p = probs_from_logits(p_logits, sp)
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.zeros(V)
+    for _ in range(N_SAMPLES):
+        k, nxt = verify._accept_one(p, [int(p[0].argmax())], None, gen)
+        counts[int(p[0].argmax()) if k else nxt] += 1
+    ok, z = _within_bound(p[0], counts)
+    assert ok, f"off by {z:.1f} sigma"
+
+
+def _wrong_accept_one(p, d, q, gen):
+    """A deliberately wrong rule: on rejection, resample from p instead of norm(max(p - q, 0))."""
+    for i, x in enumerate(d):
+        if torch.rand((), generator=gen).item() < min(1.0, float(p[i, x] / q[i, x])):
+            continue
+        return i, int(torch.multinomial(p[i], 1, generator=gen))
+    return len(d), int(torch.multinomial(p[len(d)], 1, generator=gen))
+
+
+def test_the_bound_catches_a_wrong_rule():
+    p_logits, q_probs = _problem()
+    sp = SamplingParams(1.0)
+    p, first, _ = _first_and_second(_wrong_accept_one, p_logits, q_probs, sp, N_SAMPLES, seed=11)
+    ok, z = _within_bound(p[0], first)
+    assert not ok and z > 2 * SIGMAS, f"the wrong rule was off by only {z:.1f} sigma"
+
+
+def test_probs_transform_top_k_top_p():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0]])
+    p = probs_from_logits(logits, SamplingParams(1.0, top_k=3))
+    assert (p[0, 3:] == 0).all() and math.isclose(p.sum().item(), 1.0, rel_tol=1e-6)
+    p = probs_from_logits(logits, SamplingParams(1.0, top_p=0.5))
+    assert p[0, 0].item() == pytest.approx(1.0)  # the top token alone has ~64% mass
+    p = probs_from_logits(logits, SamplingParams(1.0, top_p=0.7))
+    assert (p[0, :2] > 0).all() and (p[0, 2:] == 0).all()
