@@ -84,6 +84,56 @@ def validate(job_path, overrides, no_models):
 
 
 @main.command()
+@click.argument("job_path", metavar="JOB.yaml", type=click.Path(dir_okay=False))
+@set_option
+@click.option("--methods", default=None,
+              help="Comma-separated methods (default: hf_generate, autoregressive, fixed:<each drafter>, oracle).")
+@click.option("--slots", "slots_csv", default="1,4,16", show_default=True, help="Comma-separated slot counts.")
+@click.option("--limit", type=int, default=32, show_default=True, help="Prompts taken from the job's input.")
+@click.option("--repeat", type=int, default=3, show_default=True, help="Repeats per method; medians are reported.")
+@click.option("--out", "out_dir", default=None, help="Where results go (default: <output.dir>/bench).")
+@click.option("--no-progress", is_flag=True)
+def bench(job_path, overrides, methods, slots_csv, limit, repeat, out_dir, no_progress):
+    """Compare methods side by side on the same prompts (median of repeats, interleaved)."""
+    from pathlib import Path
+
+    from . import bench as b
+
+    job = _load(job_path, overrides)
+    method_list = [m.strip() for m in methods.split(",")] if methods else b.default_methods(job)
+    try:
+        slots = [int(x) for x in slots_csv.split(",")]
+        b.check_methods(method_list, job)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    runs = b.run_bench(job, method_list, slots, limit, repeat, progress=not no_progress)
+    paths = b.write_results(runs, Path(out_dir or Path(job.output.dir) / "bench"))
+    click.echo(paths["markdown"].read_text())
+    for name, p in paths.items():
+        click.echo(f"{name}: {p}", err=True)
+    if b.mismatches([r for r in runs if r.method != "hf_generate"]):
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("out_dir", metavar="OUTPUT_DIR", type=click.Path(file_okay=False, exists=True))
+@click.option("--png", default=None, help="Where the PNG goes (default: OUTPUT_DIR/report.png).")
+def report(out_dir, png):
+    """Summarise a finished or running job: a table, and a PNG with throughput and drafter use."""
+    from pathlib import Path
+
+    from . import report as r
+
+    info = r.load(Path(out_dir))
+    if not info["rows"] and not info["runs"]:
+        raise click.ClickException(f"{out_dir}: no outputs or summaries yet")
+    click.echo(r.text_table(info))
+    path = r.plot(info, Path(png) if png else Path(out_dir) / "report.png")
+    if path:
+        click.echo(f"plot: {path}", err=True)
+
+
+@main.command()
 def models():
     """List the builtin models and where they are cached."""
     from .models import loader

@@ -80,6 +80,7 @@ def validate_job(job: JobConfig, check_models_too: bool = True) -> list[str]:
 
 @dataclass
 class Engine:
+    model_dir: Path
     target: LlamaModel
     tokenizer: object
     loop: BatchLoop
@@ -175,7 +176,7 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     policy = make_policy(job.spin.selector, list(drafters), job.spin.num_speculative_tokens)
     loop = BatchLoop(target, tokenizer, loop_settings(job, eos_ids(target_dir, tokenizer)), policy, drafters,
                      cache, stats)
-    return Engine(target, tokenizer, loop, time.perf_counter() - t0)
+    return Engine(target_dir, target, tokenizer, loop, time.perf_counter() - t0)
 
 
 # -- running a job -----------------------------------------------------------------------

@@ -33,6 +33,7 @@ class RunStats:
         self.totals: dict[str, float] = defaultdict(float)
         self.per_drafter: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._last_interval = dict(self.totals)
+        self._last_drafter: dict[str, int] = {}
         self._last_t = self.t0
 
     def observe(self, rec: StepRecord) -> None:
@@ -74,7 +75,9 @@ class RunStats:
         rec["mean_active_slots"] = rec.get("active_slot_steps", 0.0) / steps if steps else 0.0
         for name, d in self.per_drafter.items():
             for key, v in d.items():
-                rec[f"{key}.{name}"] = v
+                col = f"{key}.{name}"
+                rec[col] = v - self._last_drafter.get(col, 0)
+                self._last_drafter[col] = v
         self._last_interval = dict(self.totals)
         self._last_t = now
         return rec

@@ -55,6 +55,7 @@ class Slot:
     accepted_tokens: int = 0
     pulls: Counter = field(default_factory=Counter)
     t_start: float = field(default_factory=time.perf_counter)
+    share_s: float = 0.0  # this request's share of step wall time (step time / slots in the step)
     finish_reason: str | None = None
     text: str | None = None
 
@@ -100,6 +101,7 @@ class BatchLoop:
         self.stats = stats or RunStats()
         self.slots: list[Slot | None] = [None] * settings.slots
         self.pending_rows: list[dict] = []  # finished rows not yet handed out
+        self.on_finish: Callable[[Slot], None] | None = None  # observer (bench, tests): sees each finished slot
 
     # -- admission ----------------------------------------------------------------------
 
@@ -135,6 +137,7 @@ class BatchLoop:
         t = _lap(times, "verify", t)
         verdict = self.accept(plan, proposal, logits)
         t = _lap(times, "accept", t)
+        self._charge(plan, sum(times.values()))
         generated = self.commit(plan, verdict)
         t = _lap(times, "commit", t)
         outcomes = [Outcome(s.index, c, len(d), k) for s, c, d, k in
@@ -231,6 +234,13 @@ class BatchLoop:
         room_out = self.cfg.max_tokens - len(s.generated) - 1
         return max(0, min(room_ctx, room_out))
 
+    @staticmethod
+    def _charge(plan: Plan, seconds: float) -> None:
+        """Split the step's time evenly over the slots it served (per-request cost, for the oracle)."""
+        served = plan.decode + [s for s, _ in plan.chunks]
+        for s in served:  # a step always serves at least one slot
+            s.share_s += seconds / len(served)
+
     def _append(self, s: Slot, new: list[int]) -> int:
         added = 0
         for t in new:
@@ -271,6 +281,8 @@ class BatchLoop:
             "decode_time_s": time.perf_counter() - s.t_start,
         })
         self.stats.observe_row("ok", s.prompt_len)
+        if self.on_finish is not None:
+            self.on_finish(s)
         self.slots[s.index] = None
 
     def _record(self, plan: Plan, choices: list[Choice], verdict: Verdict, generated: int,

@@ -1,0 +1,346 @@
+"""`spin-batch bench`: methods side by side on the same prompts, in one process.
+
+Methods are interleaved inside each repeat (so machine drift hits them alike) and figures are
+medians over repeats. Every method's greedy output is compared with the autoregressive one,
+per id, token for token.
+
+Methods (extensible through METHODS):
+- hf_generate: transformers' batched generate, left padding, static batches of `slots`.
+- autoregressive: our loop with no drafts.
+- fixed:<name>: our loop with one drafter.
+- oracle: derived from the runs above: each request takes the method (a fixed drafter, or no
+  drafting) that cost it the least time, where a request's time is its share of each step.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .config import JobConfig
+from .engine.policy import make_policy
+from .io.reader import Request, iter_requests, list_shards
+from .runner import Engine, build_engine, make_encoder
+from .stats import RunStats
+
+
+@dataclass
+class MethodRun:
+    method: str
+    slots: int
+    repeat: int
+    wall_s: float
+    tokens: dict[str, list[int]]  # generated ids per request id (EOS included when it ended the text)
+    share_s: dict[str, float] = field(default_factory=dict)  # per request id
+    summary: dict = field(default_factory=dict)
+    peak_rss_mb: float = 0.0
+
+    @property
+    def generated(self) -> int:
+        return sum(len(t) for t in self.tokens.values())
+
+    @property
+    def tok_s(self) -> float:
+        return self.generated / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class BenchInput:
+    requests: list[Request]
+    encode: Callable[[Request], list[int]]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+# -- methods ------------------------------------------------------------------------------
+
+
+def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots: int, repeat: int,
+             label: str) -> MethodRun:
+    loop = engine.loop
+    loop.policy = make_policy(selector, list(loop.drafters), gamma)
+    loop.stats = RunStats()
+    tokens: dict[str, list[int]] = {}
+    shares: dict[str, float] = {}
+
+    def record(s) -> None:
+        tokens[s.req.id] = list(s.generated)
+        shares[s.req.id] = s.share_s
+
+    loop.on_finish = record
+    t0 = time.perf_counter()
+    loop.run(iter(data.requests), data.encode, lambda row: None)
+    wall = time.perf_counter() - t0
+    loop.on_finish = None
+    return MethodRun(label, slots, repeat, wall, tokens, shares, loop.stats.summary(), peak_rss_mb())
+
+
+class HFGenerate:
+    """transformers' generate with left padding, in static batches of `slots` prompts."""
+
+    def __init__(self, engine: Engine):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=engine.target.dtype).eval()
+        self.tok = engine.tokenizer
+        self.eos = sorted(engine.loop.cfg.eos_token_ids)
+        self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos[0]
+
+    def run(self, data: BenchInput, slots: int, max_tokens: int, repeat: int) -> MethodRun:
+        torch = self.torch
+        tokens: dict[str, list[int]] = {}
+        reqs = data.requests
+        t0 = time.perf_counter()
+        for i in range(0, len(reqs), slots):
+            batch = reqs[i : i + slots]
+            ids = [data.encode(r) for r in batch]
+            width = max(len(x) for x in ids)
+            inp = torch.tensor([[self.pad] * (width - len(x)) + x for x in ids])
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=inp, attention_mask=mask, max_new_tokens=max_tokens,
+                                          do_sample=False, eos_token_id=self.eos, pad_token_id=self.pad)
+            for r, row in zip(batch, out[:, width:].tolist()):
+                tokens[r.id] = _until_eos(row, set(self.eos))
+        wall = time.perf_counter() - t0
+        return MethodRun("hf_generate", slots, repeat, wall, tokens, peak_rss_mb=peak_rss_mb())
+
+
+def _until_eos(row: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(row):
+        if t in eos:
+            return row[: i + 1]
+    return row
+
+
+def oracle(runs: list[MethodRun], slots: int, repeat: int) -> MethodRun | None:
+    """Per request, the cheapest of the autoregressive and fixed-drafter runs."""
+    pool = [r for r in runs if r.method == "autoregressive" or r.method.startswith("fixed:")]
+    if len(pool) < 2:
+        return None
+    ids = pool[0].tokens.keys()
+    # scale each run's shares to sum to its wall time, so time spent between steps is charged too
+    cost = {r.method: {i: s * r.wall_s / max(sum(r.share_s.values()), 1e-12) for i, s in r.share_s.items()}
+            for r in pool}
+    best = {i: min(pool, key=lambda r: cost[r.method].get(i, float("inf"))) for i in ids}
+    wall = sum(cost[best[i].method][i] for i in ids)
+    tokens = {i: best[i].tokens[i] for i in ids}
+    chosen: dict[str, int] = {}
+    for r in best.values():
+        chosen[r.method] = chosen.get(r.method, 0) + 1
+    return MethodRun("oracle", slots, repeat, wall, tokens, summary={"oracle_choices": chosen},
+                     peak_rss_mb=max(r.peak_rss_mb for r in pool))
+
+
+# -- the bench ----------------------------------------------------------------------------
+
+
+def default_methods(job: JobConfig) -> list[str]:
+    return ["hf_generate", "autoregressive"] + [f"fixed:{d.name}" for d in job.drafters] + ["oracle"]
+
+
+def check_methods(methods: list[str], job: JobConfig) -> None:
+    names = {d.name for d in job.drafters}
+    for m in methods:
+        if m in ("hf_generate", "autoregressive", "oracle"):
+            continue
+        if m.startswith("fixed:") and m.split(":", 1)[1] in names:
+            continue
+        raise ValueError(f"unknown bench method {m!r}; valid: {', '.join(default_methods(job))}")
+
+
+def load_bench_input(job: JobConfig, engine: Engine, limit: int | None) -> BenchInput:
+    shards = list_shards(job.input.paths, job.input.format)
+    reqs = [r for r in iter_requests(shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
+                                     messages_column=job.input.messages_column, limit=limit) if r.ok]
+    encode = make_encoder(engine.tokenizer, job)
+    cache: dict[str, list[int]] = {}
+
+    def encode_once(r: Request) -> list[int]:
+        if r.id not in cache:
+            cache[r.id] = encode(r)
+        return cache[r.id]
+
+    return BenchInput(reqs, encode_once)
+
+
+def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: int | None, repeat: int,
+              progress: bool = True) -> list[MethodRun]:
+    from tqdm import tqdm
+
+    check_methods(methods, job)
+    if not job.sampling.greedy:
+        print("spin-batch bench: sampling is on; the equality check needs greedy (temperature 0)", file=sys.stderr)
+    loop_methods = [m for m in methods if m not in ("oracle", "hf_generate")]
+    runs: list[MethodRun] = []
+    total = len(slots_list) * repeat * (len(loop_methods) + ("hf_generate" in methods))
+    bar = tqdm(total=total, unit="run", desc="bench", disable=not progress)
+    hf = None
+    for slots in slots_list:
+        sjob = replace(job, batch=replace(job.batch, slots=slots,
+                                          max_num_batched_tokens=max(job.batch.max_num_batched_tokens, slots)))
+        engine = build_engine(sjob)
+        data = load_bench_input(sjob, engine, limit)
+        if "hf_generate" in methods and hf is None:
+            hf = HFGenerate(engine)
+        for r in range(repeat):
+            this_repeat = []
+            for m in methods:
+                if m == "oracle":
+                    continue
+                bar.set_postfix_str(f"slots={slots} repeat={r} {m}")
+                if m == "hf_generate":
+                    this_repeat.append(hf.run(data, slots, job.sampling.max_tokens, r))
+                else:
+                    selector = "none" if m == "autoregressive" else m
+                    this_repeat.append(run_loop(engine, selector, job.spin.num_speculative_tokens, data, slots, r, m))
+                bar.update(1)
+            if "oracle" in methods:
+                o = oracle(this_repeat, slots, r)
+                if o is not None:
+                    this_repeat.append(o)
+            runs.extend(this_repeat)
+    bar.close()
+    return runs
+
+
+def mismatches(runs: list[MethodRun]) -> list[str]:
+    """Every id whose tokens differ from the autoregressive run of the same slots and repeat."""
+    out = []
+    ref = {(r.slots, r.repeat): r for r in runs if r.method == "autoregressive"}
+    for r in runs:
+        base = ref.get((r.slots, r.repeat))
+        if base is None or r is base:
+            continue
+        for i, want in base.tokens.items():
+            got = r.tokens.get(i)
+            if got != want:
+                at = next((k for k, (a, b) in enumerate(zip(got or [], want)) if a != b), min(len(got or []), len(want)))
+                out.append(f"{r.method} slots={r.slots} repeat={r.repeat} id={i}: differs from autoregressive at "
+                           f"token {at} ({len(got or [])} vs {len(want)} tokens)")
+    return out
+
+
+def table(runs: list[MethodRun]) -> list[dict]:
+    """Median figures per (method, slots)."""
+    rows = []
+    keys = sorted({(r.slots, r.method) for r in runs}, key=lambda k: (k[0], _method_order(k[1])))
+    for slots, method in keys:
+        group = [r for r in runs if r.slots == slots and r.method == method]
+        ar = [r for r in runs if r.slots == slots and r.method == "autoregressive"]
+        tok_s = statistics.median(r.tok_s for r in group)
+        ar_tok_s = statistics.median(r.tok_s for r in ar) if ar else None
+        acc = _median_of(group, lambda s: _mean_acceptance(s))
+        rows.append({
+            "method": method,
+            "slots": slots,
+            "repeats": len(group),
+            "tokens_per_s": tok_s,
+            "ratio_vs_autoregressive": tok_s / ar_tok_s if ar_tok_s else None,
+            "mean_acceptance_length": acc,
+            "target_forwards_per_token": _median_of(group, lambda s: s.get("target_forwards_per_generated_token")),
+            "padding_saved_fraction": _median_of(group, lambda s: s.get("padding_saved_fraction")),
+            "generated_tokens": statistics.median(r.generated for r in group),
+            "peak_rss_mb": max(r.peak_rss_mb for r in group),
+        })
+    return rows
+
+
+def _method_order(m: str) -> tuple:
+    order = {"hf_generate": 0, "autoregressive": 1, "oracle": 9}
+    return (order.get(m, 5), m)
+
+
+def _median_of(group: list[MethodRun], f) -> float | None:
+    vals = [v for v in (f(r.summary) for r in group) if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _mean_acceptance(summary: dict) -> float | None:
+    drafters = {k: v for k, v in summary.get("drafters", {}).items() if k != "none"}
+    spec = sum(d["spec_steps"] for d in drafters.values())
+    acc = sum(d["accepted_draft_tokens"] for d in drafters.values())
+    return (acc + spec) / spec if spec else None
+
+
+def markdown(rows: list[dict]) -> str:
+    cols = [("method", "method", "{}"), ("slots", "slots", "{}"), ("tok/s", "tokens_per_s", "{:.1f}"),
+            ("vs AR", "ratio_vs_autoregressive", "{:.2f}x"), ("accept len", "mean_acceptance_length", "{:.2f}"),
+            ("fwd/token", "target_forwards_per_token", "{:.2f}"), ("padding saved", "padding_saved_fraction", "{:.0%}"),
+            ("peak RSS MB", "peak_rss_mb", "{:.0f}")]
+    lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = ["-" if r[k] is None else fmt.format(r[k]) for _, k, fmt in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(runs: list[MethodRun], out: Path) -> dict[str, Path]:
+    import polars as pl
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = table(runs)
+    raw = pl.DataFrame([{
+        "method": r.method, "slots": r.slots, "repeat": r.repeat, "wall_s": r.wall_s, "generated_tokens": r.generated,
+        "tokens_per_s": r.tok_s, "peak_rss_mb": r.peak_rss_mb,
+        "mean_acceptance_length": _mean_acceptance(r.summary),
+    } for r in runs])
+    paths = {"runs": out / "bench_runs.parquet", "table": out / "bench.parquet", "markdown": out / "bench.md"}
+    raw.write_parquet(paths["runs"])
+    pl.DataFrame(rows).write_parquet(paths["table"])
+    bad = mismatches(runs)
+    md = markdown(rows) + "\n\n" + (f"{len(bad)} greedy mismatches:\n" + "\n".join(f"- {b}" for b in bad)
+                                    if bad else "Greedy outputs identical to autoregressive for every method and id.")
+    paths["markdown"].write_text(md + "\n")
+    paths.update(plot_bench(rows, runs, out))
+    return paths
+
+
+def plot_bench(rows: list[dict], runs: list[MethodRun], out: Path) -> dict[str, Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("spin-batch: plots need matplotlib: pip install 'spin-batch[plot]'", file=sys.stderr)
+        return {}
+    paths = {}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m in sorted({r["method"] for r in rows}, key=_method_order):
+        pts = sorted((r["slots"], r["tokens_per_s"]) for r in rows if r["method"] == m)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    ax.set_xlabel("slots")
+    ax.set_ylabel("generated tokens/s (median)")
+    ax.set_xscale("log", base=2)
+    ax.set_title("Throughput vs batch slots")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    paths["throughput_plot"] = out / "throughput_vs_slots.png"
+    fig.tight_layout()
+    fig.savefig(paths["throughput_plot"], dpi=110)
+    plt.close(fig)
+
+    acc = [(r["method"], r["slots"], r["mean_acceptance_length"]) for r in rows
+           if r["method"].startswith("fixed:") and r["mean_acceptance_length"]]
+    if acc:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        labels = [f"{m[6:]}\nslots={s}" for m, s, _ in acc]
+        ax.bar(labels, [a for _, _, a in acc])
+        ax.set_ylabel("mean acceptance length (tokens per verify, bonus included)")
+        ax.set_title("Acceptance per drafter")
+        ax.tick_params(axis="x", labelsize=7)
+        paths["acceptance_plot"] = out / "acceptance_per_drafter.png"
+        fig.tight_layout()
+        fig.savefig(paths["acceptance_plot"], dpi=110)
+        plt.close(fig)
+    return paths

@@ -1,0 +1,90 @@
+"""`spin-batch bench` and `spin-batch report` on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from spin_batch import bench
+from spin_batch.cli import main
+from spin_batch.config import parse_job
+from tests.conftest import write_jsonl
+
+PROMPTS = ["the quick brown fox", "red green blue red green", "def add(a, b):", "once upon a time", "12 12 12"]
+
+
+@pytest.fixture(scope="module")
+def job(tiny_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    shard = write_jsonl(tmp / "in.jsonl", [{"id": str(i), "prompt": p} for i, p in enumerate(PROMPTS)])
+    return parse_job({
+        "input": {"paths": [str(shard)]},
+        "output": {"dir": str(tmp / "out")},
+        "target": {"model": str(tiny_dir)},
+        "drafters": [{"name": "ngram", "kind": "ngram"}, {"name": "exit2", "kind": "early_exit", "layers": 2}],
+        "sampling": {"max_tokens": 10},
+    })
+
+
+@pytest.fixture(scope="module")
+def runs(job):
+    return bench.run_bench(job, bench.default_methods(job), [1, 2], limit=None, repeat=2, progress=False)
+
+
+def test_table_has_every_method_and_slot_count(runs):
+    rows = bench.table(runs)
+    got = {(r["method"], r["slots"]) for r in rows}
+    methods = ["hf_generate", "autoregressive", "fixed:ngram", "fixed:exit2", "oracle"]
+    assert got == {(m, s) for m in methods for s in (1, 2)}
+    for r in rows:
+        assert r["repeats"] == 2 and r["tokens_per_s"] > 0
+        if r["method"] == "autoregressive":
+            assert r["ratio_vs_autoregressive"] == pytest.approx(1.0)
+            assert r["target_forwards_per_token"] == pytest.approx(1.0, abs=0.01) or r["slots"] > 1
+        if r["method"].startswith("fixed:"):
+            assert r["mean_acceptance_length"] >= 1.0
+
+
+def test_greedy_outputs_agree_and_an_injected_mismatch_is_caught(runs):
+    assert bench.mismatches(runs) == []
+    victim = next(r for r in runs if r.method == "fixed:ngram")
+    rid = next(iter(victim.tokens))
+    victim.tokens[rid] = victim.tokens[rid][:2] + [victim.tokens[rid][2] + 1] + victim.tokens[rid][3:]
+    try:
+        found = bench.mismatches(runs)
+        assert len(found) == 1 and f"id={rid}" in found[0] and "at token 2" in found[0]
+    finally:
+        victim.tokens[rid][2] -= 1
+
+
+def test_results_written(runs, tmp_path):
+    paths = bench.write_results(runs, tmp_path)
+    md = paths["markdown"].read_text()
+    assert "| fixed:exit2 |" in md and "identical" in md
+    assert paths["table"].exists() and paths["runs"].exists()
+    assert paths["throughput_plot"].stat().st_size > 1000
+
+
+def test_bench_cli_rejects_unknown_method(job, tmp_path):
+    cfg = tmp_path / "job.yaml"
+    import yaml
+
+    from spin_batch.config import job_to_dict
+
+    cfg.write_text(yaml.safe_dump(job_to_dict(job)))
+    res = CliRunner().invoke(main, ["bench", str(cfg), "--methods", "autoregressive,fixed:nope"])
+    assert res.exit_code != 0 and "unknown bench method 'fixed:nope'" in res.output
+
+
+def test_report_on_finished_job(job, tmp_path):
+    from dataclasses import replace
+
+    from spin_batch.runner import run_job
+
+    j = replace(job, output=replace(job.output, dir=str(tmp_path / "done")),
+                spin=replace(job.spin, selector="fixed:ngram"))
+    run_job(j, progress=False)
+    res = CliRunner().invoke(main, ["report", j.output.dir])
+    assert res.exit_code == 0, res.output
+    assert f"rows: {len(PROMPTS)}" in res.output and "ngram" in res.output
+    assert (tmp_path / "done" / "report.png").stat().st_size > 1000
