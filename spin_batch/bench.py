@@ -8,6 +8,7 @@ Methods (extensible through METHODS):
 - hf_generate: transformers' batched generate, left padding, static batches of `slots`.
 - autoregressive: our loop with no drafts.
 - fixed:<name>: our loop with one drafter.
+- spin: our loop with the SPIN bandit (selector ucb); thompson and round_robin likewise.
 - oracle: derived from the runs above: each request takes the method (a fixed drafter, or no
   drafting) that cost it the least time, where a request's time is its share of each step.
 """
@@ -144,18 +145,23 @@ def oracle(runs: list[MethodRun], slots: int, repeat: int) -> MethodRun | None:
 # -- the bench ----------------------------------------------------------------------------
 
 
+SELECTOR_METHODS = {"autoregressive": "none", "spin": "ucb", "thompson": "thompson", "round_robin": "round_robin"}
+
+
 def default_methods(job: JobConfig) -> list[str]:
-    return ["hf_generate", "autoregressive"] + [f"fixed:{d.name}" for d in job.drafters] + ["oracle"]
+    fixed = [f"fixed:{d.name}" for d in job.drafters]
+    return ["hf_generate", "autoregressive"] + fixed + (["spin", "oracle"] if fixed else [])
 
 
 def check_methods(methods: list[str], job: JobConfig) -> None:
     names = {d.name for d in job.drafters}
     for m in methods:
-        if m in ("hf_generate", "autoregressive", "oracle"):
+        if m in ("hf_generate", "oracle") or m in SELECTOR_METHODS:
             continue
         if m.startswith("fixed:") and m.split(":", 1)[1] in names:
             continue
-        raise ValueError(f"unknown bench method {m!r}; valid: {', '.join(default_methods(job))}")
+        valid = ["hf_generate", "oracle", *SELECTOR_METHODS, *(f"fixed:{n}" for n in sorted(names))]
+        raise ValueError(f"unknown bench method {m!r}; valid: {', '.join(valid)}")
 
 
 def load_bench_input(job: JobConfig, engine: Engine, limit: int | None) -> BenchInput:
@@ -201,7 +207,7 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
                 if m == "hf_generate":
                     this_repeat.append(hf.run(data, slots, job.sampling.max_tokens, r))
                 else:
-                    selector = "none" if m == "autoregressive" else m
+                    selector = SELECTOR_METHODS.get(m, m)
                     this_repeat.append(run_loop(engine, selector, job.spin.num_speculative_tokens, data, slots, r, m))
                 bar.update(1)
             if "oracle" in methods:

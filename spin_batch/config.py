@@ -516,6 +516,9 @@ def _parse_drafters(root: _Section) -> tuple[tuple[Any, ...], list[str]]:
 SELECTOR_GRAMMAR: dict[str, str | None] = {
     "none": None,
     "fixed": "drafter",
+    "ucb": None,
+    "thompson": None,
+    "round_robin": None,
 }
 
 
@@ -530,7 +533,7 @@ def _selector_forms() -> str:
 def _resolve_selector(value: str, names: Sequence[str]) -> str:
     """Validate ``value`` against :data:`SELECTOR_GRAMMAR` and resolve ``auto``."""
     if value == "auto":
-        return f"fixed:{names[0]}" if names else "none"
+        return "ucb" if names else "none"
     kind, sep, arg = value.partition(":")
     if kind not in SELECTOR_GRAMMAR:
         raise _Invalid(f"invalid selector {value!r}; expected one of: {_selector_forms()}")

@@ -173,7 +173,7 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     target = loader.load_model(target_dir, job.target.dtype, device)
     cache = target.allocate_cache(job.batch.slots, job.batch.max_model_len)
     drafters = build_drafters(job, target, cache, device)
-    policy = make_policy(job.spin.selector, list(drafters), job.spin.num_speculative_tokens)
+    policy = make_policy(job.spin.selector, list(drafters), job.spin.num_speculative_tokens, job.sampling.seed)
     loop = BatchLoop(target, tokenizer, loop_settings(job, eos_ids(target_dir, tokenizer)), policy, drafters,
                      cache, stats)
     return Engine(target_dir, target, tokenizer, loop, time.perf_counter() - t0)
@@ -235,10 +235,11 @@ def run_job(
     engine.loop.stats = stats
     stats.t0 = stats._last_t = stats.clock()  # throughput excludes model load
     stop = stop or StopFlag()
+    skipped = [0]  # rows of this worker's input already written by an earlier run
     requests = iter_requests(
         shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
         messages_column=job.input.messages_column, shard_index=shard_index, num_shards=num_shards,
-        done_sources=done_sources, limit=limit,
+        done_sources=done_sources, limit=limit, on_skip=lambda r: skipped.__setitem__(0, skipped[0] + 1),
     )
     writer = OutputWriter(out, worker=worker, run_id=run_id, rows_per_part=job.output.rows_per_part,
                           flush_interval_s=job.output.flush_interval_s)
@@ -271,7 +272,7 @@ def run_job(
         "shard_index": shard_index,
         "num_shards": num_shards,
         "model_load_s": engine.load_time_s,
-        "rows_skipped_as_done": len(done_sources),
+        "rows_skipped_as_done": skipped[0],
         "finished": stop.signum is None,
         **stats.summary(),
     }

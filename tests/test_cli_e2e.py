@@ -230,6 +230,28 @@ def test_run_writes_outputs_summary_and_stats(tmp_path, tiny_dir):
     assert not temp_files(out)
 
 
+@pytest.mark.parametrize("with_drafter", [False, True], ids=["no-drafter", "ngram"])
+def test_row_drafter_pulls_count_every_decode_step(tmp_path, tiny_dir, with_drafter):
+    rows = prompt_rows(6)
+    src = write_jsonl(tmp_path / "in" / "prompts.jsonl", rows)
+    extra = dict(drafters=[{"name": "ngram", "kind": "ngram"}], spin={"selector": "fixed:ngram"}) if with_drafter else {}
+    job, out = make_job(tmp_path, tiny_dir, [src], sampling={"max_tokens": 10, "ignore_eos": True}, **extra)
+    run_ok(job)
+    got = assert_each_id_once(out, [r["id"] for r in rows])
+    name = "ngram" if with_drafter else "none"
+    # The first token comes from the prefill step; every later step is one pull (of the chosen
+    # drafter, or "none" when there is no room to draft) and commits its accepted drafts plus one
+    # target token.
+    for r in got.values():
+        steps = r["completion_tokens"] - 1 - r["num_accepted_draft_tokens"]
+        pulls = dict(r["drafter_pulls"])
+        assert set(pulls) <= {name, "none"}, r
+        assert sum(pulls.values()) == steps, (pulls, steps, r)
+    summary_pulls = {k: v["pulls"] for k, v in read_summary(out)["drafters"].items()}
+    row_pulls = {k: sum(dict(r["drafter_pulls"]).get(k, 0) for r in got.values()) for k in summary_pulls}
+    assert row_pulls == summary_pulls
+
+
 # --------------------------------------------------------------------------
 # 2. bad rows become error rows
 # --------------------------------------------------------------------------
@@ -492,6 +514,29 @@ def test_slurm_array_env_picks_the_shard(tmp_path, tiny_dir):
     assert_each_id_once(out, ids[0] + ids[1] + ids[2])
 
 
+def test_sharded_summary_counts_only_this_workers_skipped_rows(tmp_path, tiny_dir):
+    _three_shards(tmp_path)
+    job, out = make_job(tmp_path, tiny_dir, [str(tmp_path / "in")], sampling={"max_tokens": 2})
+    run_ok(job, "--shard-index", "1", "--num-shards", "2")
+    run_ok(job, "--shard-index", "0", "--num-shards", "2")
+    summary = read_summary(out, "summary-w0000.json")
+    assert summary["rows_ok"] == 8
+    assert summary["rows_skipped_as_done"] == 0
+
+
+def test_chunked_prefill_gives_the_same_greedy_texts(tmp_path, tiny_dir):
+    rows = prompt_rows(6) + [{"id": "long", "prompt": "the quick brown fox jumps over the lazy dog " * 4}]
+    src = write_jsonl(tmp_path / "in" / "prompts.jsonl", rows)
+    texts = []
+    for budget in (64, 3):  # 3 = slots: prompts are prefilled a few tokens per step, beside decodes
+        job, out = make_job(tmp_path, tiny_dir, [src], name=f"budget{budget}",
+                            batch={"max_num_batched_tokens": budget})
+        run_ok(job)
+        texts.append({i: (r["text"], r["prompt_tokens"]) for i, r in
+                      assert_each_id_once(out, [r["id"] for r in rows]).items()})
+    assert texts[0] == texts[1]
+
+
 # --------------------------------------------------------------------------
 # 7. --limit
 # --------------------------------------------------------------------------
@@ -703,10 +748,18 @@ def test_chat_messages_rendered_with_template(tmp_path, tiny_dir):
         {"id": "bad-chat", "messages": [{"content": "no role"}]},
     ]
     src = write_jsonl(tmp_path / "in" / "chat.jsonl", rows)
+    pq_src = tmp_path / "in" / "chat.parquet"  # messages as list<struct>, null where a prompt is used
+    pq.write_table(pa.table({
+        "id": ["pq-chat", "pq-plain"],
+        "prompt": [None, "the lazy dog"],
+        "messages": [messages, None],
+    }), pq_src)
 
-    job, out = make_job(tmp_path, tiny_dir, [src], name="auto")
+    job, out = make_job(tmp_path, tiny_dir, [src, pq_src], name="auto")
     run_ok(job)
     got = by_id(read_rows(out))
+    assert got["pq-chat"]["status"] == "ok" and got["pq-chat"]["prompt_tokens"] == n_tokens(messages)
+    assert got["pq-plain"]["prompt_tokens"] == n_tokens([{"role": "user", "content": "the lazy dog"}])
     assert got["chat"]["status"] == "ok" and got["chat"]["completion_tokens"] >= 1
     assert got["chat"]["prompt_tokens"] == n_tokens(messages)
     assert got["chat-user"]["prompt_tokens"] == n_tokens(user_only)
@@ -714,7 +767,7 @@ def test_chat_messages_rendered_with_template(tmp_path, tiny_dir):
     assert got["plain"]["prompt_tokens"] == n_tokens([{"role": "user", "content": "the quick brown fox"}])
     assert got["bad-chat"]["status"] == "error" and "messages[0].role" in got["bad-chat"]["error"]
 
-    job, out = make_job(tmp_path, tiny_dir, [src], name="sys",
+    job, out = make_job(tmp_path, tiny_dir, [src, pq_src], name="sys",
                         input={"chat_template": False, "system_prompt": "be nice"})
     run_ok(job)
     got = by_id(read_rows(out))

@@ -105,13 +105,13 @@ def test_minimal_job_gets_defaults():
     assert job.sampling.greedy
 
 
-def test_auto_selector_picks_first_drafter():
+def test_auto_selector_is_the_bandit_when_drafters_exist():
     raw = minimal()
     raw["drafters"] = [
         {"name": "ng", "kind": "ngram"},
         {"name": "ee", "kind": "early_exit", "layers": 2},
     ]
-    assert parse_job(raw).spin.selector == "fixed:ng"
+    assert parse_job(raw).spin.selector == "ucb"
 
 
 def test_explicit_none_selector_with_drafters():
@@ -345,7 +345,7 @@ def test_fixed_selector_unknown_drafter_names_valid_ones():
     assert "'ng', 'ee'" in line
 
 
-@pytest.mark.parametrize("selector", ["ucb", "fixed", "fixed:", "none:x", ""])
+@pytest.mark.parametrize("selector", ["greedy", "ucb:x", "fixed", "fixed:", "none:x", ""])
 def test_invalid_selectors(selector):
     raw = minimal()
     raw["drafters"] = [{"name": "ng", "kind": "ngram"}]

@@ -94,14 +94,7 @@ def run(loop: BatchLoop, prompts=PROMPTS) -> dict[str, list[int]]:
     def encode(r: Request) -> list[int]:
         return tok.encode(r.prompt)
 
-    # keep the finished slots' token ids: wrap _finish to record them before the slot is freed
-    orig_finish = loop._finish
-
-    def finish(s):
-        ids_of[s.req.id] = list(s.generated)
-        orig_finish(s)
-
-    loop._finish = finish
+    loop.on_finish = lambda s: ids_of.__setitem__(s.req.id, list(s.generated))
     loop.run(iter(reqs), encode, rows.append)
     assert len(rows) == len(prompts) and all(r["status"] == "ok" for r in rows)
     return ids_of
@@ -214,3 +207,16 @@ def test_ngram_lookup():
     assert lookup([4, 4, 4], gamma=4, min_ngram=1, max_ngram=2) == [4]  # may propose fewer than asked
     # the longest n-gram wins over a later shorter match
     assert lookup([1, 2, 8, 2, 7, 1, 2], gamma=1, min_ngram=1, max_ngram=2) == [8]
+
+
+@pytest.mark.parametrize("selector", ["ucb", "thompson", "round_robin", "none"])
+def test_bandit_selectors_equal_autoregressive(target, reference, tiny_draft_dir, selector):
+    from spin_batch.engine.policy import make_policy
+
+    factories = [early_exit_all, early_exit_1, other_model_factory(tiny_draft_dir), ngram]
+    names = ["exit_all", "exit_1", "other", "ngram"]
+    loop = make_loop(target, 3, make_policy(selector, names, 4, seed=1), factories)
+    assert run(loop) == reference
+    pulls = loop.stats.summary()["drafters"]
+    used = {n for n in names if pulls.get(n, {}).get("pulls")}
+    assert used if selector != "none" else not used

@@ -22,7 +22,7 @@ from ..models.cache import KVCache
 from ..models.llama import LlamaModel
 from ..models.segments import Segments
 from ..stats import RunStats, StepRecord
-from .policy import NO_SPEC, Choice, Outcome, Policy
+from .policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
 from .sampling import SamplingParams, make_generator
 from .verify import Verdict, accept_greedy, accept_sampling
 
@@ -129,8 +129,10 @@ class BatchLoop:
         t = time.perf_counter()
         decode = [s for s in self.active if s.decoding]
         choices = self.select(decode)
+        for s, c in zip(decode, choices):
+            s.pulls[c.drafter or "none"] += 1
         t = _lap(times, "select", t)
-        proposal = self.draft(decode, choices)
+        proposal, draft_s = self.draft(decode, choices)
         t = _lap(times, "draft", t)
         plan = self.plan(decode, proposal.tokens)
         logits = self.verify(plan)
@@ -142,7 +144,11 @@ class BatchLoop:
         t = _lap(times, "commit", t)
         outcomes = [Outcome(s.index, c, len(d), k) for s, c, d, k in
                     zip(decode, choices, plan.drafts, verdict.accepted)]
-        self.policy.learn(outcomes, times)
+        draft_tokens: Counter = Counter()
+        for c, d in zip(choices, plan.drafts):
+            if c.drafter is not None:
+                draft_tokens[c.drafter] += len(d)
+        self.policy.learn(outcomes, StepCosts(dict(times), plan.seg.num_tokens, draft_s, dict(draft_tokens)))
         _lap(times, "learn", t)
         self.stats.observe(self._record(plan, choices, verdict, generated, times))
         rows, self.pending_rows = self.pending_rows, []
@@ -154,8 +160,10 @@ class BatchLoop:
             return [NO_SPEC for _ in decode]
         return self.policy.choose([s.index for s in decode], caps)
 
-    def draft(self, decode: list[Slot], choices: list[Choice]) -> Proposal:
+    def draft(self, decode: list[Slot], choices: list[Choice]) -> tuple[Proposal, dict[str, float]]:
+        """Each chosen drafter proposes for its slots, batched; returns the proposal and seconds per drafter."""
         tokens: list[list[int]] = [[] for _ in decode]
+        seconds: dict[str, float] = {}
         probs: list[torch.Tensor | None] = [None for _ in decode]
         by_drafter: dict[str, list[int]] = {}
         for i, c in enumerate(choices):
@@ -163,11 +171,13 @@ class BatchLoop:
                 by_drafter.setdefault(c.drafter, []).append(i)
         for name, idxs in by_drafter.items():
             reqs = [DraftRequest(decode[i].index, decode[i].tokens, choices[i].gamma, decode[i].gen) for i in idxs]
+            t0 = time.perf_counter()
             prop = self.drafters[name].propose(reqs, self.cfg.sampling)
+            seconds[name] = time.perf_counter() - t0
             for i, d, q in zip(idxs, prop.tokens, prop.probs):
                 tokens[i] = d[: choices[i].gamma]
                 probs[i] = None if q is None else q[: len(tokens[i])]
-        return Proposal(tokens, probs)
+        return Proposal(tokens, probs), seconds
 
     def plan(self, decode: list[Slot], drafts: list[list[int]]) -> Plan:
         parts, flat, rows = [], [], []
@@ -294,7 +304,6 @@ class BatchLoop:
         for s, c, d, k in zip(plan.decode, choices, plan.drafts, verdict.accepted):
             name = c.drafter or "none"
             pulls[name] += 1
-            s.pulls[name] += 1
             if d:
                 drafted[name] += len(d)
                 accepted[name] += k

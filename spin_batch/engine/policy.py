@@ -1,6 +1,7 @@
 """Selection: which drafter, and how many draft tokens (gamma), each slot uses at a step.
 
-Selectors: `none` (plain decoding) and `fixed:<name>` (one drafter, the configured gamma).
+Selectors: `none` (plain decoding), `fixed:<name>` (one drafter, the configured gamma), and
+the SPIN bandits `ucb`, `thompson`, `round_robin` (engine/bandit.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ class Outcome:
     accepted: int
 
 
+@dataclass
+class StepCosts:
+    """Measured cost of one step, for the policy's cost model."""
+
+    stage_s: dict[str, float]  # seconds per stage (select, draft, verify, accept, commit)
+    verify_tokens: int  # N of the packed target forward
+    draft_s: dict[str, float]  # seconds spent in each drafter's propose()
+    draft_tokens: dict[str, int]  # draft tokens each drafter proposed
+
+
 NO_SPEC = Choice(None, 0)
 
 
@@ -35,7 +46,7 @@ class Policy:
     def on_admit(self, slot: int) -> None:
         pass
 
-    def learn(self, outcomes: list[Outcome], stage_times: dict[str, float]) -> None:
+    def learn(self, outcomes: list[Outcome], costs: StepCosts) -> None:
         pass
 
 
@@ -53,9 +64,15 @@ class FixedDrafter(Policy):
         return [Choice(self.drafter, min(self.gamma, c)) if c > 0 else NO_SPEC for c in caps]
 
 
-def make_policy(selector: str, drafter_names: list[str], max_gamma: int) -> Policy:
+def make_policy(selector: str, drafter_names: list[str], max_gamma: int, seed: int = 0) -> Policy:
     if selector == "none":
         return NoSpeculation()
+    if selector in ("ucb", "thompson", "round_robin"):
+        from .bandit import BanditPolicy
+
+        if not drafter_names:
+            return NoSpeculation()
+        return BanditPolicy(list(drafter_names), max_gamma, mode=selector, seed=seed)
     if selector.startswith("fixed:"):
         name = selector.split(":", 1)[1]
         if name not in drafter_names:

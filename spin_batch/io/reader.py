@@ -17,7 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -490,6 +490,7 @@ def iter_requests(
     seen_ids: set[str] | None = None,
     limit: int | None = None,
     batch_rows: int = 1024,
+    on_skip: Callable[[Request], None] | None = None,
 ) -> Iterator[Request]:
     """Stream this worker's requests from the shards.
 
@@ -509,6 +510,7 @@ def iter_requests(
         limit: stop after this many of this worker's rows have been considered,
             counting rows skipped by ``done_sources``.
         batch_rows: Parquet record batch size.
+        on_skip: called with each row skipped because its source is in ``done_sources``.
 
     Raises:
         InputError: a file cannot be read, or a Parquet file lacks required
@@ -528,6 +530,8 @@ def iter_requests(
         if request.source in done_sources:
             if request.ok:
                 seen.add(request.id)
+            if on_skip is not None:
+                on_skip(request)
         else:
             yield _mark_duplicate(request, seen)
         if limit is not None and considered >= limit:

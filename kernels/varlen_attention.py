@@ -1,0 +1,233 @@
+"""Packed varlen attention over per-slot KV caches (decode, verify and prefill in one launch).
+
+The flat batch holds S segments laid end to end: segment s owns queries
+[seg_starts[s], seg_starts[s+1]) and reads cache slot seg_slots[s], whose first
+seg_cache_lens[s] positions were there before this forward and whose next n_s positions hold
+this segment's own K/V (written by the caller before the call). Query i of a segment sits at
+absolute position cache_len + i and sees keys at positions <= cache_len + i.
+
+Kernel layout: one program per (segment, row block, KV head). The rows of a block are
+(query, head in the GQA group) pairs, so the H / KV query heads that share one KV head are
+computed together and every K/V tile is read once for the whole group. Each program walks its
+slot's keys in blocks with an online softmax (fp32 running max, sum and accumulator) and stops
+at the last key its rows can see; nothing beyond a slot's valid length is read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import HAVE_TRITON, is_interpreted, launcher, require_triton, tl, triton
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_HEAD_DIM = 256
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _varlen_attention_kernel(
+        q_ptr,  # [N, H, D]
+        k_ptr,  # [slots, KV, max_len, D]
+        v_ptr,  # [slots, KV, max_len, D]
+        o_ptr,  # [N, H, D]
+        slots_ptr,  # [S]
+        starts_ptr,  # [S + 1]
+        cache_lens_ptr,  # [S]
+        stride_qn, stride_qh, stride_qd,
+        stride_ks, stride_kh, stride_kl, stride_kd,
+        stride_vs, stride_vh, stride_vl, stride_vd,
+        stride_on, stride_oh, stride_od,
+        qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
+        HEAD_DIM: tl.constexpr,
+        GROUP: tl.constexpr,  # H // KV query heads per KV head
+        BLOCK_M: tl.constexpr,  # rows (query, head-in-group) per program
+        BLOCK_N: tl.constexpr,  # keys per step
+        BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two >= 16
+        DOT_FP32: tl.constexpr,  # do both products in fp32 (fp32 inputs, or the interpreter)
+    ):
+        seg = tl.program_id(0)
+        row0 = tl.program_id(1) * BLOCK_M
+        kvh = tl.program_id(2)
+
+        start = tl.load(starts_ptr + seg).to(tl.int64)
+        n = tl.load(starts_ptr + seg + 1).to(tl.int64) - start  # new tokens in this segment
+        if row0 < n * GROUP:
+            slot = tl.load(slots_ptr + seg).to(tl.int64)
+            cache_len = tl.load(cache_lens_ptr + seg).to(tl.int64)
+
+            rows = row0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] row = query * GROUP + head in group
+            row_ok = rows < n * GROUP
+            # rows past the segment's end compute a copy of its last query and are not stored,
+            # so no row is ever fully masked (no -inf - -inf in the online softmax)
+            qi = tl.minimum(rows // GROUP, n - 1)  # [BLOCK_M] query index inside the segment
+            head = kvh * GROUP + rows % GROUP  # [BLOCK_M] query head
+            q_pos = cache_len + qi  # [BLOCK_M] absolute position: sees keys <= q_pos
+            offs_d = tl.arange(0, BLOCK_D)
+            d_ok = offs_d < HEAD_DIM
+
+            q_ptrs = q_ptr + (start + qi)[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+            q = tl.load(q_ptrs, mask=d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+            if DOT_FP32:
+                q = q.to(tl.float32)
+
+            # the last key any row of this block can see, + 1 (<= cache_len + n <= max_len)
+            kv_end = cache_len + tl.minimum((row0 + BLOCK_M - 1) // GROUP, n - 1) + 1
+            k_base = k_ptr + slot * stride_ks + kvh * stride_kh
+            v_base = v_ptr + slot * stride_vs + kvh * stride_vh
+
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (exp2 domain)
+            l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running sum of p @ V
+            for k0 in range(0, kv_end, BLOCK_N):
+                offs_n = k0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+                n_ok = offs_n < kv_end
+                kt = tl.load(  # [BLOCK_D, BLOCK_N]
+                    k_base + offs_n[None, :] * stride_kl + offs_d[:, None] * stride_kd,
+                    mask=n_ok[None, :] & d_ok[:, None],
+                    other=0.0,
+                )
+                v = tl.load(  # [BLOCK_N, BLOCK_D]
+                    v_base + offs_n[:, None] * stride_vl + offs_d[None, :] * stride_vd,
+                    mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )
+                if DOT_FP32:
+                    s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+                else:
+                    s = tl.dot(q, kt)
+                s = s * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+                s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))  # causal + valid length
+                m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every row
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if DOT_FP32:
+                    pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+
+            out = acc / l_i[:, None]
+            o_ptrs = o_ptr + (start + qi)[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+else:
+    _varlen_attention_kernel = None
+
+
+def _check_index(name: str, t: torch.Tensor, numel: int, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} must be an int32 or int64 tensor")
+    if t.dim() != 1 or t.numel() != numel:
+        raise ValueError(f"{name} must be 1-D with {numel} entries, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_args(q, cache_k, cache_v, seg_slots, seg_starts, seg_cache_lens, max_seg_len) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [N, H, D], got shape {tuple(q.shape)}")
+    if cache_k.dim() != 4 or cache_k.shape != cache_v.shape:
+        raise ValueError(
+            f"cache_k/cache_v must both be [slots, KV, max_len, D], got {tuple(cache_k.shape)} and {tuple(cache_v.shape)}"
+        )
+    H, D = q.shape[1], q.shape[2]
+    KV = cache_k.shape[1]
+    if cache_k.shape[3] != D:
+        raise ValueError(f"head_dim mismatch: q has {D}, the cache {cache_k.shape[3]}")
+    if KV == 0 or H % KV != 0:
+        raise ValueError(f"num heads {H} must be a multiple of kv heads {KV}")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {D} is not supported (1..{MAX_HEAD_DIM})")
+    if q.dtype not in _FLOAT_DTYPES or cache_k.dtype != q.dtype or cache_v.dtype != q.dtype:
+        raise TypeError(
+            f"q, cache_k, cache_v must share one dtype of fp32/bf16/fp16, got {q.dtype}, {cache_k.dtype}, {cache_v.dtype}"
+        )
+    if cache_k.device != q.device or cache_v.device != q.device:
+        raise ValueError(f"q is on {q.device} but the cache on {cache_k.device}/{cache_v.device}")
+    S = seg_slots.numel() if isinstance(seg_slots, torch.Tensor) else -1
+    _check_index("seg_slots", seg_slots, S, q.device)
+    _check_index("seg_starts", seg_starts, S + 1, q.device)
+    _check_index("seg_cache_lens", seg_cache_lens, S, q.device)
+    if not isinstance(max_seg_len, int) or max_seg_len < 0:
+        raise ValueError(f"max_seg_len must be a non-negative int, got {max_seg_len!r}")
+
+
+def varlen_attention(
+    q: torch.Tensor,  # [N, H, D] queries of the new tokens, RoPE applied
+    cache_k: torch.Tensor,  # [slots, KV, max_len, D] one layer; the new tokens' K already written
+    cache_v: torch.Tensor,  # [slots, KV, max_len, D]
+    seg_slots: torch.Tensor,  # [S] int32/int64: cache slot of each segment
+    seg_starts: torch.Tensor,  # [S + 1] int32/int64: segment offsets in the flat batch
+    seg_cache_lens: torch.Tensor,  # [S] int32/int64: tokens in the slot before this forward
+    max_seg_len: int,  # >= every segment's length (host int: sizes the grid, no device sync)
+) -> torch.Tensor:  # [N, H, D], q's dtype
+    """Causal attention of each segment's queries over its slot's cache. No host sync.
+
+    Empty segments are allowed. Caller's promises (not checked, as checking would sync):
+    segment lengths <= max_seg_len, cache_len + n <= max_len, starts nondecreasing; rows of q
+    outside every segment are left uninitialised in the output.
+    """
+    require_triton("varlen_attention")
+    _check_args(q, cache_k, cache_v, seg_slots, seg_starts, seg_cache_lens, max_seg_len)
+    N, H, D = q.shape
+    KV = cache_k.shape[1]
+    group = H // KV
+    out = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
+    S = seg_slots.numel()
+    if S == 0 or N == 0 or max_seg_len == 0:
+        return out
+
+    kernel = launcher(_varlen_attention_kernel, q.device)
+    dot_fp32 = q.dtype == torch.float32 or is_interpreted(kernel)  # the interpreter cannot dot bf16
+    block_d = max(16, triton.next_power_of_2(D))
+    rows = max_seg_len * group  # rows of the longest segment
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    block_n = 32 if block_d >= 256 or (dot_fp32 and block_d >= 128) else 64
+    grid = (S, triton.cdiv(rows, block_m), KV)
+    kernel[grid](
+        q, cache_k, cache_v, out,
+        seg_slots, seg_starts, seg_cache_lens,
+        *q.stride(), *cache_k.stride(), *cache_v.stride(), *out.stride(),
+        (1.0 / math.sqrt(D)) * 1.4426950408889634,
+        HEAD_DIM=D, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_FP32=dot_fp32,
+        num_warps=4 if block_m * block_d <= 64 * 64 else 8,
+    )
+    return out
+
+
+def varlen_attention_ref(
+    q: torch.Tensor,  # [N, H, D]
+    cache_k: torch.Tensor,  # [slots, KV, max_len, D]
+    cache_v: torch.Tensor,  # [slots, KV, max_len, D]
+    seg_slots: torch.Tensor,  # [S]
+    seg_starts: torch.Tensor,  # [S + 1]
+    seg_cache_lens: torch.Tensor,  # [S]
+    max_seg_len: int,  # unused (kept for the same signature)
+) -> torch.Tensor:  # [N, H, D]
+    """Torch reference (the logic of llama.attention_ref, taking tensors). Syncs to the host."""
+    out = torch.empty_like(q)
+    slots, starts, cache_lens = seg_slots.tolist(), seg_starts.tolist(), seg_cache_lens.tolist()
+    for slot, a, b, c in zip(slots, starts[:-1], starts[1:], cache_lens):
+        n = b - a
+        if n == 0:
+            continue
+        total = c + n
+        qs = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        ks = cache_k[slot, :, :total].unsqueeze(0)  # [1, KV, total, D]
+        vs = cache_v[slot, :, :total].unsqueeze(0)
+        mask = None
+        if n > 1:
+            key_pos = torch.arange(total, device=q.device)
+            query_pos = torch.arange(c, total, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]  # [n, total]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)  # [1, H, n, D]
+        out[a:b] = o[0].transpose(0, 1)
+    return out

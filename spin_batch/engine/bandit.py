@@ -1,0 +1,203 @@
+"""SPIN selection: a per-request bandit over heterogeneous drafters, with adaptive gamma.
+
+Each request keeps, per drafter, a Beta posterior over the drafter's per-token acceptance
+rate a. Acceptance is modelled as geometric: a verify that drafted g tokens and accepted k
+is k successes plus one failure when k < g. The expected tokens a step gains with gamma g is
+E(g, a) = (1 - a^(g + 1)) / (1 - a) (accepted drafts plus the recovered or bonus token).
+
+Cost comes from an online model of measured stage times at the current batch size
+(CostModel): verification costs c0 + c1 * N for N packed tokens, and drafter d costs c_d per
+draft token. The batch's goodput is (sum of tokens gained) / (step time); it is maximised
+when every slot picks argmax over (d, g) of E(g, a_d) - lam * marginal_cost(d, g), where lam
+is the current goodput (tokens per second). That makes gamma 0 win as soon as verification
+of extra tokens costs more than they bring, e.g. at large batch.
+
+Warm start: new requests start from the pooled posterior of all requests so far, scaled
+down to a few pseudo-observations, so short requests do not pay for exploration.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from .policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
+
+PRIOR_STRENGTH = 6.0  # pseudo-tokens a warm start is worth
+DEFAULT_RATE = 0.3  # prior acceptance before anything was pooled
+
+
+def expected_gain(gamma: int, a: float) -> float:
+    """Expected new tokens from one verify with gamma drafts at per-token acceptance a."""
+    if gamma == 0:
+        return 1.0
+    a = min(max(a, 0.0), 0.999999)
+    return (1.0 - a ** (gamma + 1)) / (1.0 - a)
+
+
+@dataclass
+class Beta:
+    alpha: float
+    beta: float
+
+    @property
+    def mean(self) -> float:
+        return self.alpha / (self.alpha + self.beta)
+
+    @property
+    def n(self) -> float:
+        return self.alpha + self.beta
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.alpha += accepted
+        self.beta += 1.0 if accepted < drafted else 0.0
+
+
+class Ema:
+    def __init__(self, decay: float, init: float):
+        self.decay = decay
+        self.value = init
+        self.seen = False
+
+    def update(self, x: float) -> float:
+        self.value = x if not self.seen else self.decay * self.value + (1 - self.decay) * x
+        self.seen = True
+        return self.value
+
+
+class CostModel:
+    """Stage times measured online: verify = c0 + c1 * tokens, draft_d = c_d * tokens."""
+
+    def __init__(self, decay: float = 0.98):
+        self.decay = decay
+        self._m = [0.0] * 5  # decayed sums: 1, N, N^2, t, N t
+        self.draft_per_token: dict[str, Ema] = {}
+        self.goodput = Ema(0.9, 0.0)  # tokens per second of the whole batch: tracks faster than costs
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        for i, v in enumerate((1.0, tokens, tokens * tokens, seconds, tokens * seconds)):
+            self._m[i] = d * self._m[i] + v
+
+    def observe_draft(self, drafter: str, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self.draft_per_token.setdefault(drafter, Ema(self.decay, 0.0)).update(seconds / tokens)
+
+    def verify_coeffs(self) -> tuple[float, float]:
+        """(c0, c1): fixed seconds per step, seconds per packed token."""
+        s1, sn, snn, st, snt = self._m
+        if s1 == 0:
+            return 0.0, 0.0
+        var = snn / s1 - (sn / s1) ** 2
+        if var <= 1e-3 * max(1.0, (sn / s1) ** 2):
+            # too little spread in N to separate the two: assume all cost is per token, the
+            # view least favourable to speculation; gamma exploration will reveal the rest
+            return 0.0, st / sn
+        c1 = max((snt / s1 - (sn / s1) * (st / s1)) / var, 0.0)
+        c0 = max(st / s1 - c1 * sn / s1, 0.0)
+        return c0, c1
+
+    def draft_cost(self, drafter: str) -> float:
+        e = self.draft_per_token.get(drafter)
+        return e.value if e is not None else 0.0
+
+
+@dataclass
+class RequestArms:
+    arms: dict[str, Beta]
+    steps: int = 0
+
+
+@dataclass
+class BanditPolicy(Policy):
+    """`ucb` (optimistic acceptance), `thompson` (sampled acceptance) or `round_robin`."""
+
+    drafters: list[str]
+    max_gamma: int
+    mode: str = "ucb"
+    seed: int = 0
+    exploration: float = 0.5  # UCB bonus scale
+    gamma_exploration: float = 0.05  # chance a slot tries a random gamma, so the cost model sees varied N
+    cost: CostModel = field(default_factory=CostModel)
+    pooled: dict[str, Beta] = field(default_factory=dict)
+    requests: dict[int, RequestArms] = field(default_factory=dict)  # by slot
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("ucb", "thompson", "round_robin"):
+            raise ValueError(f"unknown bandit mode {self.mode!r}")
+        self.rng = random.Random(self.seed)
+        self.pooled = {d: Beta(1.0, 1.0) for d in self.drafters}
+        self._rr = 0
+
+    # -- per-request state ----------------------------------------------------------------
+
+    def on_admit(self, slot: int) -> None:
+        """Warm start: the pooled posterior, shrunk to PRIOR_STRENGTH pseudo-tokens."""
+        arms = {}
+        for d, b in self.pooled.items():
+            mean = b.mean if b.n > 2.0 else DEFAULT_RATE
+            arms[d] = Beta(mean * PRIOR_STRENGTH, (1 - mean) * PRIOR_STRENGTH)
+        self.requests[slot] = RequestArms(arms)
+
+    # -- select -----------------------------------------------------------------------------
+
+    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
+        if self.mode == "round_robin":
+            self._rr += 1
+            return [Choice(self.drafters[(self._rr + s) % len(self.drafters)], min(self.max_gamma, c)) if c else NO_SPEC
+                    for s, c in zip(slots, caps)]
+        c0, c1 = self.cost.verify_coeffs()
+        lam = self.cost.goodput.value
+        out = []
+        for s, cap in zip(slots, caps):
+            req = self.requests.get(s)
+            if req is None:
+                self.on_admit(s)
+                req = self.requests[s]
+            req.steps += 1
+            out.append(self._best(req, min(cap, self.max_gamma), c1, lam))
+        return out
+
+    def _rate(self, arm: Beta, steps: int) -> float:
+        if self.mode == "thompson":
+            return self.rng.betavariate(arm.alpha, arm.beta)
+        bonus = self.exploration * math.sqrt(math.log(steps + 1.0) / arm.n)
+        return min(arm.mean + bonus, 0.999)
+
+    def _best(self, req: RequestArms, cap: int, c1: float, lam: float) -> Choice:
+        best, best_value = NO_SPEC, 1.0  # gamma 0: one token, no marginal cost
+        if cap <= 0 or not self.cost.goodput.seen:
+            # until one step is measured, speculate with the configured gamma to learn costs
+            return Choice(self.drafters[0], cap) if cap > 0 and self.drafters else NO_SPEC
+        for d, arm in req.arms.items():
+            a = self._rate(arm, req.steps)
+            per_token = lam * (c1 + self.cost.draft_cost(d))
+            for g in range(1, cap + 1):
+                value = expected_gain(g, a) - per_token * g
+                if value > best_value:
+                    best, best_value = Choice(d, g), value
+        if self.rng.random() < self.gamma_exploration:
+            g = self.rng.randint(0, cap)
+            name = best.drafter or self.rng.choice(self.drafters)
+            return Choice(name, g) if g else NO_SPEC
+        return best
+
+    # -- learn ------------------------------------------------------------------------------
+
+    def learn(self, outcomes: list[Outcome], costs: StepCosts) -> None:
+        if costs.verify_tokens:
+            self.cost.observe_verify(costs.verify_tokens, costs.stage_s.get("verify", 0.0))
+        for d, tokens in costs.draft_tokens.items():
+            self.cost.observe_draft(d, tokens, costs.draft_s.get(d, 0.0))
+        gained = sum(o.accepted + 1 for o in outcomes)
+        step_s = sum(costs.stage_s.values())
+        if gained and step_s > 0:
+            self.cost.goodput.update(gained / step_s)
+        for o in outcomes:
+            if o.choice.drafter is None or o.drafted == 0:
+                continue
+            req = self.requests.get(o.slot)
+            if req is not None:
+                req.arms[o.choice.drafter].observe(o.drafted, o.accepted)
+            self.pooled[o.choice.drafter].observe(o.drafted, o.accepted)

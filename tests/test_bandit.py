@@ -1,0 +1,114 @@
+"""The SPIN bandit on a synthetic world with known acceptance rates and costs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from spin_batch.engine.bandit import PRIOR_STRENGTH, BanditPolicy, Beta, CostModel, RequestArms, expected_gain
+from spin_batch.engine.policy import Outcome, StepCosts, make_policy
+
+
+class World:
+    """Slots whose drafters accept each token with a fixed probability; costs are linear."""
+
+    def __init__(self, rates: dict[str, float], draft_cost: dict[str, float], c0: float, c1: float, seed: int = 0):
+        self.rates, self.draft_cost, self.c0, self.c1 = rates, draft_cost, c0, c1
+        self.rng = random.Random(seed)
+
+    def step(self, policy: BanditPolicy, slots: list[int]) -> list:
+        choices = policy.choose(slots, [8] * len(slots))
+        outcomes, tokens, draft_s, draft_tokens = [], 0, {}, {}
+        for s, c in zip(slots, choices):
+            k = 0
+            if c.drafter:
+                while k < c.gamma and self.rng.random() < self.rates[c.drafter]:
+                    k += 1
+                draft_tokens[c.drafter] = draft_tokens.get(c.drafter, 0) + c.gamma
+                draft_s[c.drafter] = draft_s.get(c.drafter, 0.0) + c.gamma * self.draft_cost[c.drafter]
+            tokens += c.gamma + 1
+            outcomes.append(Outcome(s, c, c.gamma, k))
+        verify = self.c0 + self.c1 * tokens
+        policy.learn(outcomes, StepCosts({"draft": sum(draft_s.values()), "verify": verify}, tokens, draft_s,
+                                         draft_tokens))
+        return choices
+
+
+def run_requests(policy, world, n_requests, steps_per_request, slots=1):
+    picks = []
+    for r in range(n_requests):
+        for s in range(slots):
+            policy.on_admit(s)
+        for _ in range(steps_per_request):
+            picks.extend(world.step(policy, list(range(slots))))
+    return picks
+
+
+def test_expected_gain():
+    assert expected_gain(0, 0.9) == 1.0
+    assert expected_gain(3, 0.0) == 1.0
+    assert expected_gain(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+@pytest.mark.parametrize("mode", ["ucb", "thompson"])
+def test_converges_to_the_best_drafter(mode):
+    world = World({"good": 0.85, "poor": 0.2}, {"good": 0.002, "poor": 0.0005}, c0=0.04, c1=0.001)
+    policy = BanditPolicy(["poor", "good"], max_gamma=6, mode=mode, seed=1)
+    picks = run_requests(policy, world, n_requests=20, steps_per_request=15)
+    late = picks[len(picks) // 2:]
+    share_good = sum(c.drafter == "good" for c in late) / len(late)
+    assert share_good > 0.9, share_good
+    assert sum(c.gamma for c in late) / len(late) >= 4  # high acceptance: long drafts pay
+
+
+def test_backs_off_to_gamma_zero_when_verification_is_expensive():
+    # each verified token costs as much as the whole step overhead: speculation cannot pay
+    world = World({"d": 0.5}, {"d": 0.001}, c0=0.01, c1=0.02)
+    policy = BanditPolicy(["d"], max_gamma=4, seed=0)
+    picks = run_requests(policy, world, n_requests=10, steps_per_request=20, slots=8)
+    late = picks[len(picks) // 2:]
+    # the rest is the 5% gamma exploration that keeps the cost model identifiable
+    assert sum(c.gamma == 0 for c in late) / len(late) > 0.9
+
+
+def test_speculates_when_verification_is_cheap():
+    world = World({"d": 0.5}, {"d": 0.001}, c0=0.04, c1=0.0005)
+    policy = BanditPolicy(["d"], max_gamma=4, seed=0)
+    picks = run_requests(policy, world, n_requests=10, steps_per_request=20, slots=8)
+    late = picks[len(picks) // 2:]
+    assert sum(c.gamma > 0 for c in late) / len(late) > 0.9
+
+
+def test_warm_start_reduces_exploration():
+    world = World({"good": 0.9, "poor": 0.05}, {"good": 0.001, "poor": 0.001}, c0=0.04, c1=0.001, seed=3)
+    policy = BanditPolicy(["poor", "good"], max_gamma=4, seed=0)
+    run_requests(policy, world, n_requests=30, steps_per_request=10)
+
+    def poor_pulls(prior: dict[str, Beta]) -> int:
+        policy.requests[0] = RequestArms({d: Beta(b.alpha, b.beta) for d, b in prior.items()})
+        return sum(world.step(policy, [0])[0].drafter == "poor" for _ in range(10))
+
+    cold = {d: Beta(0.3 * PRIOR_STRENGTH, 0.7 * PRIOR_STRENGTH) for d in ("poor", "good")}
+    warm_total = cold_total = 0
+    for _ in range(10):
+        policy.on_admit(0)
+        warm_total += poor_pulls(policy.requests[0].arms)
+        cold_total += poor_pulls(cold)
+    assert warm_total < cold_total
+
+
+def test_cost_model_fits_linear_verify_cost():
+    cm = CostModel(decay=0.99)
+    for n in [1, 5, 9, 3, 17, 2, 8] * 10:
+        cm.observe_verify(n, 0.03 + 0.004 * n)
+    c0, c1 = cm.verify_coeffs()
+    assert c0 == pytest.approx(0.03, rel=1e-3) and c1 == pytest.approx(0.004, rel=1e-3)
+
+
+def test_make_policy_selectors():
+    assert type(make_policy("ucb", ["a"], 4)).__name__ == "BanditPolicy"
+    assert type(make_policy("ucb", [], 4)).__name__ == "NoSpeculation"
+    rr = make_policy("round_robin", ["a", "b"], 3)
+    got = {c.drafter for _ in range(4) for c in rr.choose([0], [5])}
+    assert got == {"a", "b"}
