@@ -189,7 +189,7 @@ def varlen_attention(
     dot_fp32 = q.dtype == torch.float32 or is_interpreted(kernel)  # the interpreter cannot dot bf16
     block_d = max(16, triton.next_power_of_2(D))
     rows = max_seg_len * group  # rows of the longest segment
-    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 or (dot_fp32 and block_d >= 256) else 64)
     block_n = 32 if block_d >= 256 or (dot_fp32 and block_d >= 128) else 64
     grid = (S, triton.cdiv(rows, block_m), KV)
     kernel[grid](
@@ -199,6 +199,7 @@ def varlen_attention(
         (1.0 / math.sqrt(D)) * 1.4426950408889634,
         HEAD_DIM=D, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_FP32=dot_fp32,
         num_warps=4 if block_m * block_d <= 64 * 64 else 8,
+        num_stages=2 if dot_fp32 else 3,  # fp32 tiles are twice the size: keep shared memory < 160 KiB
     )
     return out
 

@@ -37,6 +37,7 @@ __all__ = [
     "EarlyExitDrafterConfig",
     "ModelDrafterConfig",
     "NgramDrafterConfig",
+    "VoteDrafterConfig",
     "DrafterConfig",
     "DRAFTER_KINDS",
     "SpinConfig",
@@ -449,13 +450,32 @@ class NgramDrafterConfig:
         return cls(name=name, min_ngram=lo, max_ngram=hi)
 
 
-DrafterConfig = EarlyExitDrafterConfig | ModelDrafterConfig | NgramDrafterConfig
+@dataclass(frozen=True, kw_only=True)
+class VoteDrafterConfig:
+    """Collective drafting: a weighted majority vote over other drafters' proposals."""
+
+    name: str
+    kind: Literal["vote"] = "vote"
+    members: tuple[str, ...]
+    beta: float = 0.5
+
+    @classmethod
+    def _parse(cls, s: _Section, name: str) -> VoteDrafterConfig:
+        members = s.take("members", _texts(nonempty=True))
+        if s.ok("members") and len(set(members)) < 2:
+            s.errs.add(s.key_path("members"), f"needs at least 2 distinct drafters, got {list(members)}")
+        beta = s.take("beta", _num(lambda x: 0 < x < 1, "in (0, 1)"))
+        return cls(name=name, members=members, beta=beta)
+
+
+DrafterConfig = EarlyExitDrafterConfig | ModelDrafterConfig | NgramDrafterConfig | VoteDrafterConfig
 
 #: Drafter ``kind`` -> its config class. Add new drafter kinds here.
 DRAFTER_KINDS: dict[str, type] = {
     "early_exit": EarlyExitDrafterConfig,
     "model": ModelDrafterConfig,
     "ngram": NgramDrafterConfig,
+    "vote": VoteDrafterConfig,
 }
 
 
@@ -504,7 +524,21 @@ def _parse_drafters(root: _Section) -> tuple[tuple[Any, ...], list[str]]:
             seen[name] = item_path
         if config is not None:
             configs.append(config)
+    _check_vote_members(configs, path, root.errs)
     return tuple(configs), list(seen)
+
+
+def _check_vote_members(configs: list[Any], path: str, errs: _Errors) -> None:
+    """A vote's members must be other configured drafters, and not votes themselves."""
+    kinds = {c.name: c.kind for c in configs}
+    for i, c in enumerate(configs):
+        if not isinstance(c, VoteDrafterConfig):
+            continue
+        for m in c.members:
+            if m not in kinds:
+                errs.add(f"{path}[{i}].members", f"unknown drafter {m!r}; configured: {sorted(kinds)}")
+            elif kinds[m] == "vote":
+                errs.add(f"{path}[{i}].members", f"{m!r} is a vote drafter; members must be plain drafters")
 
 
 # --------------------------------------------------------------------------- spin / batch / sampling

@@ -17,12 +17,14 @@ from .config import (
     JobConfig,
     ModelDrafterConfig,
     NgramDrafterConfig,
+    VoteDrafterConfig,
     job_to_dict,
 )
 from .drafters.base import Drafter
 from .drafters.early_exit import EarlyExitDrafter, check_layers
 from .drafters.model import ModelDrafter
 from .drafters.ngram import NgramDrafter
+from .drafters.vote import VoteDrafter
 from .engine.loop import BatchLoop, LoopSettings
 from .engine.policy import make_policy
 from .engine.sampling import SamplingParams
@@ -145,9 +147,12 @@ def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: tor
             drafters[d.name] = ModelDrafter(d.name, model, cache)
         elif isinstance(d, NgramDrafterConfig):
             drafters[d.name] = NgramDrafter(d.name, d.min_ngram, d.max_ngram)
-        else:  # a kind added to config.py but not here
+        elif not isinstance(d, VoteDrafterConfig):  # a kind added to config.py but not here
             raise ValueError(f"drafter kind {d.kind!r} has no implementation")
-    return drafters
+    for d in job.drafters:  # votes last: they reuse the drafters above
+        if isinstance(d, VoteDrafterConfig):
+            drafters[d.name] = VoteDrafter(d.name, {m: drafters[m] for m in d.members}, d.beta, job.batch.slots)
+    return {d.name: drafters[d.name] for d in job.drafters}
 
 
 def loop_settings(job: JobConfig, eos: frozenset[int]) -> LoopSettings:
@@ -275,6 +280,7 @@ def run_job(
         "rows_skipped_as_done": skipped[0],
         "finished": stop.signum is None,
         **stats.summary(),
+        "drafter_stats": {n: d.stats() for n, d in engine.loop.drafters.items() if d.stats()},
     }
     name = "summary.json" if num_shards == 1 else f"summary-{worker}.json"
     write_json_atomic(out / name, summary)

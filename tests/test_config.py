@@ -149,7 +149,7 @@ def test_drafter_lookup_unknown_name():
 
 
 def test_registry_and_selector_grammar():
-    assert set(DRAFTER_KINDS) == {"early_exit", "model", "ngram"}
+    assert set(DRAFTER_KINDS) == {"early_exit", "model", "ngram", "vote"}
     assert {"none", "fixed"} <= set(SELECTOR_GRAMMAR)
 
 
@@ -561,3 +561,20 @@ def test_direct_construction():
         drafters=(EarlyExitDrafterConfig(name="e", layers=2),),
     )
     assert job.drafter("e").kind == "early_exit"
+
+
+def test_vote_drafter_members_are_checked():
+    raw = minimal()
+    raw["drafters"] = [
+        {"name": "ng", "kind": "ngram"},
+        {"name": "v1", "kind": "vote", "members": ["ng", "missing"]},
+        {"name": "v2", "kind": "vote", "members": ["ng", "v1"], "beta": 1.5},
+        {"name": "v3", "kind": "vote", "members": ["ng", "ng"]},
+    ]
+    with pytest.raises(ConfigError) as e:
+        parse_job(raw)
+    msg = str(e.value)
+    assert "drafters[1].members: unknown drafter 'missing'" in msg
+    assert "drafters[2].members: 'v1' is a vote drafter" in msg
+    assert "drafters[2].beta: must be a number in (0, 1)" in msg
+    assert "drafters[3].members: needs at least 2 distinct drafters" in msg

@@ -220,3 +220,19 @@ def test_bandit_selectors_equal_autoregressive(target, reference, tiny_draft_dir
     pulls = loop.stats.summary()["drafters"]
     used = {n for n in names if pulls.get(n, {}).get("pulls")}
     assert used if selector != "none" else not used
+
+
+@pytest.mark.parametrize("slots", [1, 8])
+def test_vote_drafter_equals_autoregressive(target, reference, tiny_draft_dir, slots):
+    from spin_batch.drafters.vote import VoteDrafter
+
+    model, tok = target
+    settings = LoopSettings(slots=slots, max_model_len=128, max_num_batched_tokens=64, max_tokens=MAX_TOKENS,
+                            sampling=SamplingParams(), ignore_eos=True)
+    cache = model.allocate_cache(slots, 128)
+    members = {d.name: d for d in (early_exit_all(model, cache, slots), other_model_factory(tiny_draft_dir)(
+        model, cache, slots), ngram(model, cache, slots))}
+    vote = VoteDrafter("vote", members, beta=0.5, slots=slots)
+    loop = BatchLoop(model, tok, settings, FixedDrafter("vote", 4), {**members, "vote": vote}, cache)
+    assert run(loop) == reference
+    assert vote.stats()["proposals"] > 0

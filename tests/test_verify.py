@@ -147,3 +147,30 @@ def test_probs_transform_top_k_top_p():
     assert p[0, 0].item() == pytest.approx(1.0)  # the top token alone has ~64% mass
     p = probs_from_logits(logits, SamplingParams(1.0, top_p=0.7))
     assert (p[0, :2] > 0).all() and (p[0, 2:] == 0).all()
+
+
+def test_vote_proposal_is_lossless_under_sampling():
+    """The vote's path is verified as a deterministic draft (q one-hot)."""
+    from spin_batch.drafters.base import Drafter, DraftRequest, Proposal
+    from spin_batch.drafters.vote import VoteDrafter
+
+    class Fixed(Drafter):
+        def __init__(self, name, path):
+            super().__init__(name)
+            self.path = path
+
+        def propose(self, reqs, sp):
+            return Proposal([list(self.path) for _ in reqs], [None] * len(reqs))
+
+    p_logits, _ = _problem()
+    sp = SamplingParams(1.0)
+    p = probs_from_logits(p_logits, sp)
+    vote = VoteDrafter("v", {"a": Fixed("a", [1, 2]), "b": Fixed("b", [1, 5]), "c": Fixed("c", [4])}, beta=0.5)
+    gen = torch.Generator().manual_seed(9)
+    counts = torch.zeros(V)
+    for _ in range(N_SAMPLES):
+        prop = vote.propose([DraftRequest(0, [0], 2, gen)], sp)
+        v = accept_sampling(p_logits[: len(prop.tokens[0]) + 1], prop.tokens, prop.probs, [gen], sp)
+        counts[v.tokens[0][0]] += 1
+    ok, z = _within_bound(p[0], counts)
+    assert ok, f"off by {z:.1f} sigma"

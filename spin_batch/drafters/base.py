@@ -37,11 +37,12 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, reqs: list[DraftRequest], sp: SamplingParams) -> Proposal: ...
 
-    def on_commit(self, slot: int, committed_len: int) -> None:
-        """After verification: the slot's first committed_len tokens are final."""
+    def on_commit(self, slot: int, tokens: list[int]) -> None:
+        """After verification: the slot's committed tokens (prompt + generated), read only."""
 
     def on_admit(self, slot: int) -> None:
         """A new request took this slot: forget whatever the drafter held for it."""
 
-    def cost_hint(self) -> str:
-        return self.kind
+    def stats(self) -> dict[str, float]:
+        """Drafter-specific counters for summary.json (empty by default)."""
+        return {}

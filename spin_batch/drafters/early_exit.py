@@ -32,5 +32,5 @@ class EarlyExitDrafter(ModelDrafter):
     def _start(self, r: DraftRequest) -> int:
         return len(r.tokens) - 1
 
-    def on_commit(self, slot: int, committed_len: int) -> None:
+    def on_commit(self, slot: int, tokens: list[int]) -> None:
         """Nothing to roll back: the target cache is the truth."""

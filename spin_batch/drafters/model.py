@@ -30,9 +30,9 @@ class ModelDrafter(Drafter):
     def on_admit(self, slot: int) -> None:
         self.lens[slot] = 0
 
-    def on_commit(self, slot: int, committed_len: int) -> None:
+    def on_commit(self, slot: int, tokens: list[int]) -> None:
         # Cache rows past the last committed-and-seen token are stale; the next write overwrites them.
-        self.lens[slot] = min(self.lens[slot], committed_len - 1)
+        self.lens[slot] = min(self.lens[slot], len(tokens) - 1)
 
     def _start(self, r: DraftRequest) -> int:
         """First token position this proposal must feed."""

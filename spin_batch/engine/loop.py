@@ -233,7 +233,7 @@ class BatchLoop:
                 self._finish(s)
             else:
                 for dr in self.drafters.values():
-                    dr.on_commit(s.index, len(s.tokens))
+                    dr.on_commit(s.index, s.tokens)
         return generated
 
     # -- helpers ------------------------------------------------------------------------
