@@ -1,24 +1,32 @@
-"""Optional Triton import and the choice of compiled vs interpreted launch.
+"""Optional Triton import, and interpreter mode on machines without a GPU.
 
-Triton decides at decoration time whether `@triton.jit` compiles (GPU) or interprets (numpy on
-the host), from the env var TRITON_INTERPRET. The kernel modules may well be imported before a
-test sets that variable, so `launcher` picks per call instead: tensors on the CPU always run
-through the interpreter (Triton has no CPU backend); anything else runs the kernel as decorated.
+Triton fixes at decoration time whether each `@triton.jit` function (its own standard library
+included) is compiled for a GPU or interpreted with numpy on the host, from the env var
+TRITON_INTERPRET. Triton has no CPU backend, so on a machine without CUDA the interpreter is
+the only mode that can run anything: when triton has not been imported yet, TRITON_INTERPRET is
+unset and no CUDA device is present, this module sets TRITON_INTERPRET=1 before importing it.
+CPU tensors reaching a compiled kernel get a clear error instead of a crash.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 try:
     import triton
     import triton.language as tl
 
     HAVE_TRITON = True
-except Exception:  # ImportError, or a broken install (no driver libraries, ...)
+except Exception:  # ImportError, or a broken install
     triton = None
     tl = None
     HAVE_TRITON = False
-
-_interpreted: dict[int, object] = {}
 
 
 def require_triton(name: str) -> None:
@@ -32,15 +40,11 @@ def is_interpreted(kernel) -> bool:
     return isinstance(kernel, InterpretedFunction)
 
 
-def launcher(kernel, device: "torch.device"):  # noqa: F821
-    """The kernel to launch for tensors on `device`: interpreted for CPU tensors."""
-    if device.type != "cpu" or is_interpreted(kernel):
-        return kernel
-    fn = kernel.fn  # the undecorated Python function behind a JITFunction
-    if id(fn) not in _interpreted:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        _interpreted[id(fn)] = InterpretedFunction(fn)
-    return _interpreted[id(fn)]
-
-
+def launcher(kernel, device: torch.device):
+    """The kernel to launch for tensors on `device` (interpreted kernels run anywhere)."""
+    if device.type == "cpu" and not is_interpreted(kernel):
+        raise RuntimeError(
+            "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before triton "
+            "is first imported (this process imported it in compiled mode)"
+        )
+    return kernel

@@ -130,7 +130,8 @@ if HAVE_TRITON:
                 uu = tl.load(u_ptr + d0 + i)
                 if HAS_Q:
                     qx = tl.load(q_ptr + (d0 + i) * stride_qt + x).to(tl.float32)
-                    ok = (qx > 0.0) & (uu < tl.minimum(px / qx, 1.0))
+                    ratio = px / tl.where(qx > 0.0, qx, 1.0)  # q[x] == 0 is rejected below
+                    ok = (qx > 0.0) & (uu < tl.minimum(ratio, 1.0))
                 else:
                     ok = uu < tl.minimum(px, 1.0)  # q[x] = 1
                 i = tl.where(ok, i + 1, i)

@@ -1,11 +1,12 @@
 """Compile the kernels' real launches for an NVIDIA GPU without one (ptxas ships with triton).
 
-    python -m spin_batch.kernels.aot_check [--arch 90]
+    TRITON_INTERPRET=0 python -m spin_batch.kernels.aot_check [--arch 90] [--quick]
 
 Each public wrapper is called on small CPU tensors with its launch intercepted; the launch it
 would make (argument types, constexprs, num_warps, num_stages) is compiled to a cubin for the
-given compute capability, and the shared memory each needs is printed. Run it without
-TRITON_INTERPRET set: interpreted kernels cannot be compiled.
+given compute capability, and the shared memory each needs is printed. Interpreted kernels
+cannot be compiled: without a GPU, set TRITON_INTERPRET=0 (else spin_batch.kernels turns the
+interpreter on when it imports triton).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def compile_launch(module_name: str, wrapper: str, *args, arch: int = 90, **kwar
             mod.is_interpreted = saved[1]
     (kernel, a, kw), = launches
     if is_interpreted(kernel):
-        raise RuntimeError("the kernels were decorated under TRITON_INTERPRET=1; run without it")
+        raise RuntimeError("the kernels were decorated for the interpreter; run with TRITON_INTERPRET=0")
     kw = dict(kw)
     options = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
     sig = {}
@@ -76,25 +77,31 @@ def compile_launch(module_name: str, wrapper: str, *args, arch: int = 90, **kwar
     return kw, compiled
 
 
-def launches():
-    """(module, wrapper, args, kwargs) covering every kernel variant the wrappers pick."""
+_QUICK_ATTENTION = [(torch.bfloat16, 64, 1), (torch.bfloat16, 128, 64), (torch.float32, 64, 5),
+                    (torch.float32, 256, 64)]
+
+
+def launches(quick: bool = False):
+    """(module, wrapper, args, kwargs) covering every kernel variant the wrappers pick
+    (quick: a representative few, including the largest shared-memory one)."""
     out = []
     i32 = dict(dtype=torch.int32)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for D in (64, 128, 256, 80):
-            for n in (1, 5, 64):  # decode, verify, prefill chunk (block sizes differ)
-                q = torch.empty(2 * n, 6, D, dtype=dtype)  # GQA group 3
-                ck = torch.empty(2, 2, 128, D, dtype=dtype)
-                seg = (torch.zeros(2, **i32), torch.tensor([0, n, 2 * n], **i32), torch.zeros(2, **i32), n)
-                out.append(("varlen_attention", "varlen_attention", (q, ck, ck, *seg), {}))
-    for dtype in (torch.bfloat16, torch.float32):
+    full = [(dt, D, n) for dt in (torch.bfloat16, torch.float16, torch.float32) for D in (64, 128, 256, 80)
+            for n in (1, 5, 64)]  # decode, verify, prefill chunk (block sizes differ)
+    for dtype, D, n in _QUICK_ATTENTION if quick else full:
+        q = torch.empty(2 * n, 6, D, dtype=dtype)  # GQA group 3
+        ck = torch.empty(2, 2, 128, D, dtype=dtype)
+        seg = (torch.zeros(2, **i32), torch.tensor([0, n, 2 * n], **i32), torch.zeros(2, **i32), n)
+        out.append(("varlen_attention", "varlen_attention", (q, ck, ck, *seg), {}))
+    for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32):
         x = torch.empty(3, 3, 64, dtype=dtype)
         c = torch.empty(2, 3, 8, 64, dtype=dtype)
         idx = torch.zeros(3, dtype=torch.long)
         out.append(("kv_write", "kv_write", (c, c, idx, idx, x, x), {}))
     drafts, offs, rows = torch.zeros(4, dtype=torch.long), torch.tensor([0, 4]), torch.tensor([0, 5])
     u, u2 = torch.zeros(4), torch.zeros(1)
-    for logits in (torch.empty(6, 49152), torch.empty(6, 49152, dtype=torch.bfloat16)):
+    logit_rows = [torch.empty(6, 49152)] + ([] if quick else [torch.empty(6, 49152, dtype=torch.bfloat16)])
+    for logits in logit_rows:
         out.append(("accept", "accept", (logits, drafts, offs, rows), {}))
         out.append(("accept", "accept", (logits, drafts, offs, rows, None, u, u2, 0.7), {}))
         out.append(("accept", "accept", (logits, drafts, offs, rows, torch.empty(4, 49152), u, u2, 0.7), {}))
@@ -104,10 +111,11 @@ def launches():
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90")
+    ap.add_argument("--quick", action="store_true", help="a representative few launches only")
     ap.add_argument("--smem-limit", type=int, default=160 * 1024, help="fail above this many bytes")
     args = ap.parse_args(argv)
     worst = 0
-    for module, wrapper, a, kw in launches():
+    for module, wrapper, a, kw in launches(args.quick):
         constexprs, compiled = compile_launch(module, wrapper, *a, arch=args.arch, **kw)
         smem = compiled.metadata.shared
         worst = max(worst, smem)

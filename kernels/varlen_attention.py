@@ -136,7 +136,8 @@ def _check_args(q, cache_k, cache_v, seg_slots, seg_starts, seg_cache_lens, max_
         raise ValueError(f"q must be [N, H, D], got shape {tuple(q.shape)}")
     if cache_k.dim() != 4 or cache_k.shape != cache_v.shape:
         raise ValueError(
-            f"cache_k/cache_v must both be [slots, KV, max_len, D], got {tuple(cache_k.shape)} and {tuple(cache_v.shape)}"
+            "cache_k/cache_v must both be [slots, KV, max_len, D], "
+            f"got {tuple(cache_k.shape)} and {tuple(cache_v.shape)}"
         )
     H, D = q.shape[1], q.shape[2]
     KV = cache_k.shape[1]
@@ -148,7 +149,8 @@ def _check_args(q, cache_k, cache_v, seg_slots, seg_starts, seg_cache_lens, max_
         raise ValueError(f"head_dim {D} is not supported (1..{MAX_HEAD_DIM})")
     if q.dtype not in _FLOAT_DTYPES or cache_k.dtype != q.dtype or cache_v.dtype != q.dtype:
         raise TypeError(
-            f"q, cache_k, cache_v must share one dtype of fp32/bf16/fp16, got {q.dtype}, {cache_k.dtype}, {cache_v.dtype}"
+            "q, cache_k, cache_v must share one dtype of fp32/bf16/fp16, "
+            f"got {q.dtype}, {cache_k.dtype}, {cache_v.dtype}"
         )
     if cache_k.device != q.device or cache_v.device != q.device:
         raise ValueError(f"q is on {q.device} but the cache on {cache_k.device}/{cache_v.device}")
