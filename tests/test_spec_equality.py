@@ -7,6 +7,8 @@ reference is our own loop with no drafts, itself checked against transformers' g
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -236,3 +238,33 @@ def test_vote_drafter_equals_autoregressive(target, reference, tiny_draft_dir, s
     loop = BatchLoop(model, tok, settings, FixedDrafter("vote", 4), {**members, "vote": vote}, cache)
     assert run(loop) == reference
     assert vote.stats()["proposals"] > 0
+
+
+@pytest.fixture(scope="module")
+def kernel_target(tiny_dir):
+    """The same tiny target with the Triton kernels forced on (CPU: the Triton interpreter)."""
+    pytest.importorskip("triton")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    old = os.environ.get("SPIN_BATCH_KERNELS")
+    os.environ["SPIN_BATCH_KERNELS"] = "on"
+    try:
+        model = load_model(tiny_dir)
+    finally:
+        if old is None:
+            del os.environ["SPIN_BATCH_KERNELS"]
+        else:
+            os.environ["SPIN_BATCH_KERNELS"] = old
+    assert model.kernels is not None
+    return model, load_tokenizer(tiny_dir)
+
+
+KERNEL_PROMPTS = PROMPTS[:5]
+
+
+def test_kernels_forced_on_equal_autoregressive(kernel_target, reference, tiny_draft_dir):
+    """Greedy equality with kernels on: plain decoding, and mixed drafters and gamma at slots 3."""
+    want = {k: v for k, v in reference.items() if int(k) < len(KERNEL_PROMPTS)}
+    assert run(make_loop(kernel_target, 3, NoSpeculation()), KERNEL_PROMPTS) == want
+    factories = [early_exit_all, early_exit_1, other_model_factory(tiny_draft_dir), ngram, random_drafter]
+    names = ["exit_all", "exit_1", "other", "ngram", "random"]
+    assert run(make_loop(kernel_target, 3, MixedGamma(names), factories), KERNEL_PROMPTS) == want
