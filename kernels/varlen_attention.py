@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, is_interpreted, launcher, require_triton, tl, triton
 
@@ -215,22 +214,9 @@ def varlen_attention_ref(
     seg_cache_lens: torch.Tensor,  # [S]
     max_seg_len: int,  # unused (kept for the same signature)
 ) -> torch.Tensor:  # [N, H, D]
-    """Torch reference (the logic of llama.attention_ref, taking tensors). Syncs to the host."""
-    out = torch.empty_like(q)
-    slots, starts, cache_lens = seg_slots.tolist(), seg_starts.tolist(), seg_cache_lens.tolist()
-    for slot, a, b, c in zip(slots, starts[:-1], starts[1:], cache_lens):
-        n = b - a
-        if n == 0:
-            continue
-        total = c + n
-        qs = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        ks = cache_k[slot, :, :total].unsqueeze(0)  # [1, KV, total, D]
-        vs = cache_v[slot, :, :total].unsqueeze(0)
-        mask = None
-        if n > 1:
-            key_pos = torch.arange(total, device=q.device)
-            query_pos = torch.arange(c, total, device=q.device)
-            mask = key_pos[None, :] <= query_pos[:, None]  # [n, total]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)  # [1, H, n, D]
-        out[a:b] = o[0].transpose(0, 1)
-    return out
+    """Torch reference: the runtime's own attention_ref on the same segment table. Syncs to the host."""
+    from ..models.llama import attention_ref
+    from ..models.segments import Segments
+
+    seg = Segments(seg_slots.tolist(), seg_starts.tolist(), seg_cache_lens.tolist(), q.device)
+    return attention_ref(q, cache_k, cache_v, seg)

@@ -412,7 +412,7 @@ def test_check_input_reports_problems(tmp_path: Path) -> None:
         [{"id": "x", "prompt": "1"}, {"id": "y", "prompt": ""}, {"id": "z", "prompt": " "}, "{oops"],
     )
     b = write_parquet(tmp_path / "b.parquet", {"id": ["q", "x"], "prompt": ["2", "3"]})
-    c = write_parquet(tmp_path / "c.parquet", {"id": ["w"], "body": ["4"]})
+    write_parquet(tmp_path / "c.parquet", {"id": ["w"], "body": ["4"]})
     problems = check_input(list_shards([str(tmp_path)]))
     text = "\n".join(problems)
     assert f"duplicate id 'x': {a.resolve()}#0 and {b.resolve()}#1" in text

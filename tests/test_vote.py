@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from spin_batch.drafters.base import Drafter, DraftRequest, Proposal
 from spin_batch.drafters.vote import VoteDrafter, agrees, vote_path
