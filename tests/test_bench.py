@@ -34,7 +34,7 @@ def runs(job):
 def test_table_has_every_method_and_slot_count(runs):
     rows = bench.table(runs)
     got = {(r["method"], r["slots"]) for r in rows}
-    methods = ["hf_generate", "autoregressive", "fixed:ngram", "fixed:exit2", "spin", "oracle"]
+    methods = ["hf_generate", "autoregressive", "fixed:ngram", "fixed:exit2", "spin", "spin-nopipe", "oracle"]
     assert got == {(m, s) for m in methods for s in (1, 2)}
     for r in rows:
         assert r["repeats"] == 2 and r["tokens_per_s"] > 0

@@ -99,8 +99,12 @@ class CostModel:
         return c0, c1
 
     def draft_cost(self, drafter: str) -> float:
+        """Seconds per draft token; infinite until measured (see BanditPolicy.choose)."""
         e = self.draft_per_token.get(drafter)
-        return e.value if e is not None else 0.0
+        return e.value if e is not None else math.inf
+
+    def measured(self, drafter: str) -> bool:
+        return drafter in self.draft_per_token
 
 
 @dataclass
@@ -149,6 +153,9 @@ class BanditPolicy(Policy):
                     for s, c in zip(slots, caps)]
         c0, c1 = self.cost.verify_coeffs()
         lam = self.cost.goodput.value
+        # a drafter whose cost is still unknown is tried by one slot, with a short draft: trying
+        # it on every slot at once could stall the whole batch behind an expensive drafter
+        unmeasured = [d for d in self.drafters if not self.cost.measured(d)]
         out = []
         for s, cap in zip(slots, caps):
             req = self.requests.get(s)
@@ -156,7 +163,11 @@ class BanditPolicy(Policy):
                 self.on_admit(s)
                 req = self.requests[s]
             req.steps += 1
-            out.append(self._best(req, min(cap, self.max_gamma), c1, lam))
+            cap = min(cap, self.max_gamma)
+            if unmeasured and cap > 0:
+                out.append(Choice(unmeasured.pop(0), min(2, cap)))
+            else:
+                out.append(self._best(req, cap, c1, lam))
         return out
 
     def _rate(self, arm: Beta, steps: int) -> float:
@@ -166,24 +177,52 @@ class BanditPolicy(Policy):
         return min(arm.mean + bonus, 0.999)
 
     def _best(self, req: RequestArms, cap: int, c1: float, lam: float) -> Choice:
-        best, best_value = NO_SPEC, 1.0  # gamma 0: one token, no marginal cost
         if cap <= 0 or not self.cost.goodput.seen:
-            # until one step is measured, speculate with the configured gamma to learn costs
-            return Choice(self.drafters[0], cap) if cap > 0 and self.drafters else NO_SPEC
+            return NO_SPEC
+        # the drafter: best value at its optimistic (ucb) or sampled (thompson) acceptance rate
+        drafter, top = None, -math.inf
         for d, arm in req.arms.items():
-            a = self._rate(arm, req.steps)
-            per_token = lam * (c1 + self.cost.draft_cost(d))
-            for g in range(1, cap + 1):
-                value = expected_gain(g, a) - per_token * g
-                if value > best_value:
-                    best, best_value = Choice(d, g), value
+            value, _ = self._best_gamma(self._rate(arm, req.steps), lam * (c1 + self.cost.draft_cost(d)), cap)
+            if value > top:
+                drafter, top = d, value
+        # its gamma, 0 included: from the posterior mean, so optimism does not buy speculation
+        mean = req.arms[drafter].mean
+        value, g = self._best_gamma(mean, lam * (c1 + self.cost.draft_cost(drafter)), cap)
+        best = Choice(drafter, g) if g else NO_SPEC
         if self.rng.random() < self.gamma_exploration:
+            # vary gamma only, with the chosen drafter or else the cheapest one: exploring an
+            # expensive drafter would make the whole batch wait for its draft rounds
+            name = best.drafter or min(self.drafters, key=self.cost.draft_cost)
+            if not self.cost.measured(name):
+                return best
             g = self.rng.randint(0, cap)
-            name = best.drafter or self.rng.choice(self.drafters)
             return Choice(name, g) if g else NO_SPEC
         return best
 
+    @staticmethod
+    def _best_gamma(a: float, per_token: float, cap: int) -> tuple[float, int]:
+        """max over g in 0..cap of E(g, a) - per_token * g, and its g (gamma 0 is worth 1)."""
+        best_value, best_g = 1.0, 0
+        for g in range(1, cap + 1):
+            value = expected_gain(g, a) - per_token * g
+            if value > best_value:
+                best_value, best_g = value, g
+        return best_value, best_g
+
     # -- learn ------------------------------------------------------------------------------
+
+    def _decode_seconds(self, outcomes: list[Outcome], costs: StepCosts) -> float:
+        """The step's time without its prefill chunks: goodput is measured on decoding alone.
+
+        Prefill tokens riding in the same forward would otherwise make every decode token look
+        cheaper to skip than it is (their cost is charged at the modelled c1 per token).
+        """
+        c0, c1 = self.cost.verify_coeffs()
+        decode_tokens = sum(o.drafted + 1 for o in outcomes)
+        verify = costs.stage_s.get("verify", 0.0)
+        if c1 > 0 and costs.verify_tokens > decode_tokens:
+            verify = min(verify, c0 + c1 * decode_tokens)
+        return verify + sum(v for k, v in costs.stage_s.items() if k != "verify")
 
     def learn(self, outcomes: list[Outcome], costs: StepCosts) -> None:
         if costs.verify_tokens:
@@ -191,9 +230,9 @@ class BanditPolicy(Policy):
         for d, tokens in costs.draft_tokens.items():
             self.cost.observe_draft(d, tokens, costs.draft_s.get(d, 0.0))
         gained = sum(o.accepted + 1 for o in outcomes)
-        step_s = sum(costs.stage_s.values())
-        if gained and step_s > 0:
-            self.cost.goodput.update(gained / step_s)
+        decode_s = self._decode_seconds(outcomes, costs)
+        if gained and decode_s > 0:
+            self.cost.goodput.update(gained / decode_s)
         for o in outcomes:
             if o.choice.drafter is None or o.drafted == 0:
                 continue

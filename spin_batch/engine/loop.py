@@ -205,11 +205,11 @@ class BatchLoop:
                times: dict[str, float]) -> None:
         outcomes = [Outcome(s.index, c, len(d), k) for s, c, d, k in
                     zip(plan.decode, choices, plan.drafts, verdict.accepted)]
-        draft_tokens: Counter = Counter()
-        for c, d in zip(choices, plan.drafts):
+        asked: Counter = Counter()  # draft tokens asked of each drafter (it may propose fewer)
+        for c in choices:
             if c.drafter is not None:
-                draft_tokens[c.drafter] += len(d)
-        self.policy.learn(outcomes, StepCosts(dict(times), plan.seg.num_tokens, draft_s, dict(draft_tokens)))
+                asked[c.drafter] += c.gamma
+        self.policy.learn(outcomes, StepCosts(dict(times), plan.seg.num_tokens, draft_s, dict(asked)))
 
     def select(self, decode: list[Slot]) -> list[Choice]:
         caps = [self._gamma_cap(s) for s in decode]

@@ -200,86 +200,78 @@ def attention_ref(
     return out
 
 
-# Segments with at most this many new tokens (decode, verify) share one batched attention;
-# longer ones (prefill chunks) keep a call each, so no one pads to a prefill chunk's length.
+# Segments with at most this many new tokens (decode, verify) are attended in batched calls,
+# one per distinct length; longer ones (prefill chunks) keep a call each.
 SHORT_SEGMENT = 16
 
 
-class AttentionPlan:
-    """How one forward's segments are attended; built once per forward, shared by all layers.
+class _SameLengthGroup:
+    """Short segments that all feed n new tokens: one batched matmul-softmax-matmul.
 
-    Short segments are padded to [S, n, ...] (n = their longest run) and attended in one batched
-    matmul-softmax-matmul over their slots' first `ctx` cache rows, with an additive mask that
-    hides keys past each query's own position (so also another slot's longer context). Long
-    segments go through attention_ref one by one.
+    Queries need no padding (all have n rows); keys are the slots' first `ctx` cache rows, with
+    an additive mask that hides keys past each query's own position (so also another slot's
+    longer context).
     """
 
-    def __init__(self, seg: Segments, dtype: torch.dtype, device: torch.device):
-        short, long_ = [], []
-        for i, (a, b) in enumerate(zip(seg.starts[:-1], seg.starts[1:])):
-            (short if 0 < b - a <= SHORT_SEGMENT else long_).append(i)
-        self.long = long_
-        self.num_short = len(short)
-        if not short:
-            return
-        slots = [seg.slots[i] for i in short]
-        lens = [seg.starts[i + 1] - seg.starts[i] for i in short]
-        starts = [seg.starts[i] for i in short]
-        ctxs = [seg.cache_lens[i] for i in short]
-        self.n = n = max(lens)
-        self.ctx = max(c + m for c, m in zip(ctxs, lens))
+    def __init__(self, seg: Segments, members: list[int], dtype: torch.dtype, device: torch.device):
+        n = seg.starts[members[0] + 1] - seg.starts[members[0]]
+        slots = [seg.slots[i] for i in members]
+        starts = [seg.starts[i] for i in members]
+        ctxs = [seg.cache_lens[i] for i in members]
+        self.n, self.count = n, len(members)
+        self.ctx = max(ctxs) + n
         # A contiguous run of slots is a view of the cache; any other set is gathered.
         s0 = slots[0]
         self.slots: slice | torch.Tensor = (
             slice(s0, s0 + len(slots)) if slots == list(range(s0, s0 + len(slots)))
             else torch.tensor(slots, dtype=torch.long, device=device)
         )
-        # Flat rows of the padded queries [S, n]; padding repeats a segment's last row.
-        uniform = all(m == n for m in lens) and starts == [starts[0] + j * n for j in range(len(short))]
-        self.rows: slice | torch.Tensor = slice(starts[0], starts[0] + len(short) * n)  # [S * n]
-        self.valid: torch.Tensor | None = None  # [S * n] bool: which padded queries are real
-        if not uniform:
-            padded = [[a + min(j, m - 1) for j in range(n)] for a, m in zip(starts, lens)]
-            self.rows = torch.tensor(padded, device=device).view(-1)
-            self.valid = torch.tensor([[j < m for j in range(n)] for m in lens], device=device).view(-1)
+        contiguous = starts == [starts[0] + j * n for j in range(len(members))]
+        self.rows: slice | torch.Tensor = (
+            slice(starts[0], starts[0] + len(members) * n) if contiguous
+            else (torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)).view(-1)
+        )  # [count * n] flat rows of the group's queries
         # Query j of a segment sits at position cache_len + j and sees keys at <= that position.
-        qpos = torch.tensor(ctxs, device=device)[:, None] + torch.arange(n, device=device)  # [S, n]
-        visible = torch.arange(self.ctx, device=device) <= qpos[..., None]  # [S, n, ctx]
+        qpos = torch.tensor(ctxs, device=device)[:, None] + torch.arange(n, device=device)  # [count, n]
+        visible = torch.arange(self.ctx, device=device) <= qpos[..., None]  # [count, n, ctx]
         mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-        self.mask = mask[:, None, None]  # [S, 1, 1, n, ctx], broadcast over KV heads and groups
+        self.mask = mask[:, None, None]  # [count, 1, 1, n, ctx], broadcast over KV heads and groups
+
+    def attend(self, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, out: torch.Tensor) -> None:
+        """Writes the group's rows of out [N, H, D]. Query head h reads KV head h // G."""
+        _, H, D = q.shape
+        KV = cache_k.shape[1]
+        G, S, n = H // KV, self.count, self.n
+        qs = q[self.rows].view(S, n, KV, G, D).permute(0, 2, 3, 1, 4).reshape(S, KV, G * n, D)
+        k = cache_k[self.slots, :, : self.ctx]  # [S, KV, ctx, D]
+        v = cache_v[self.slots, :, : self.ctx]
+        scores = torch.matmul(qs * D**-0.5, k.transpose(-1, -2))  # [S, KV, G * n, ctx]
+        scores.view(S, KV, G, n, self.ctx).add_(self.mask)
+        o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [S, KV, G * n, D]
+        out[self.rows] = o.view(S, KV, G, n, D).permute(0, 3, 1, 2, 4).reshape(S * n, H, D)
 
 
-def attention_batched(
-    q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, plan: AttentionPlan, out: torch.Tensor
-) -> None:
-    """Attention of the plan's short segments, written into out [N, H, D] at their rows.
+class AttentionPlan:
+    """How one forward's segments are attended; built once per forward, shared by all layers."""
 
-    q: [N, H, D]; cache_k/cache_v: [slots, KV, max_len, D] (this forward's K/V already written).
-    Grouped-query heads: query head h reads KV head h // G (G = H / KV).
-    """
-    _, H, D = q.shape
-    KV = cache_k.shape[1]
-    G, S, n = H // KV, plan.num_short, plan.n
-    qs = q[plan.rows].view(S, n, KV, G, D).permute(0, 2, 3, 1, 4).reshape(S, KV, G * n, D)
-    k = cache_k[plan.slots, :, : plan.ctx]  # [S, KV, ctx, D]
-    v = cache_v[plan.slots, :, : plan.ctx]
-    scores = torch.matmul(qs * D**-0.5, k.transpose(-1, -2))  # [S, KV, G * n, ctx]
-    scores.view(S, KV, G, n, plan.ctx).add_(plan.mask)
-    o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [S, KV, G * n, D]
-    o = o.view(S, KV, G, n, D).permute(0, 3, 1, 2, 4).reshape(S * n, H, D)
-    if plan.valid is None:
-        out[plan.rows] = o
-    else:
-        out[plan.rows[plan.valid]] = o[plan.valid]
+    def __init__(self, seg: Segments, dtype: torch.dtype, device: torch.device):
+        by_len: dict[int, list[int]] = {}
+        self.long: list[int] = []
+        for i, n in enumerate(seg.lengths()):
+            if 0 < n <= SHORT_SEGMENT:
+                by_len.setdefault(n, []).append(i)
+            elif n > SHORT_SEGMENT:
+                self.long.append(i)
+        self.groups = [_SameLengthGroup(seg, members, dtype, device) for members in by_len.values()]
 
 
 def attention(
     q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, seg: Segments, plan: AttentionPlan
 ) -> torch.Tensor:
-    """Packed attention per the plan: one batched call for short segments, a call per long one."""
+    """Packed attention per the plan: a batched call per segment length, a call per long segment."""
     out = attention_ref(q, cache_k, cache_v, seg, only=plan.long) if plan.long else torch.empty_like(q)
-    if plan.num_short:
-        attention_batched(q, cache_k, cache_v, plan, out)
+    for group in plan.groups:
+        group.attend(q, cache_k, cache_v, out)
     return out
 
 
