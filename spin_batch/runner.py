@@ -240,7 +240,7 @@ def run_job(
     stats = RunStats()
     engine = engine or build_engine(job, stats)
     engine.loop.stats = stats
-    stats.t0 = stats._last_t = stats.clock()  # throughput excludes model load
+    stats.restart_clock()  # throughput excludes model load
     stop = stop or StopFlag()
     skipped = [0]  # rows of this worker's input already written by an earlier run
     requests = iter_requests(

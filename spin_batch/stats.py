@@ -36,6 +36,10 @@ class RunStats:
         self._last_drafter: dict[str, int] = {}
         self._last_t = self.t0
 
+    def restart_clock(self) -> None:
+        """Start timing now (throughput excludes what came before, e.g. model load)."""
+        self.t0 = self._last_t = self.clock()
+
     def observe(self, rec: StepRecord) -> None:
         t = self.totals
         t["steps"] += 1
