@@ -242,11 +242,16 @@ def run_job(
     engine.loop.stats = stats
     stats.restart_clock()  # throughput excludes model load
     stop = stop or StopFlag()
-    skipped = [0]  # rows of this worker's input already written by an earlier run
+    skipped = 0  # rows of this worker's input already written by an earlier run
+
+    def count_skip(_req: Request) -> None:
+        nonlocal skipped
+        skipped += 1
+
     requests = iter_requests(
         shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
         messages_column=job.input.messages_column, shard_index=shard_index, num_shards=num_shards,
-        done_sources=done_sources, limit=limit, on_skip=lambda r: skipped.__setitem__(0, skipped[0] + 1),
+        done_sources=done_sources, limit=limit, on_skip=count_skip,
     )
     writer = OutputWriter(out, worker=worker, run_id=run_id, rows_per_part=job.output.rows_per_part,
                           flush_interval_s=job.output.flush_interval_s)
@@ -279,7 +284,7 @@ def run_job(
         "shard_index": shard_index,
         "num_shards": num_shards,
         "model_load_s": engine.load_time_s,
-        "rows_skipped_as_done": skipped[0],
+        "rows_skipped_as_done": skipped,
         "finished": stop.signum is None,
         **stats.summary(),
         "drafter_stats": {n: d.stats() for n, d in engine.loop.drafters.items() if d.stats()},
