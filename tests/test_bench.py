@@ -40,7 +40,8 @@ def test_table_has_every_method_and_slot_count(runs):
         assert r["repeats"] == 2 and r["tokens_per_s"] > 0
         if r["method"] == "autoregressive":
             assert r["ratio_vs_autoregressive"] == pytest.approx(1.0)
-            assert r["target_forwards_per_token"] == pytest.approx(1.0, abs=0.01) or r["slots"] > 1
+            if r["slots"] == 1:  # one forward per token: prefill's forward yields the first token
+                assert r["target_forwards_per_token"] == pytest.approx(1.0)
         if r["method"].startswith("fixed:"):
             assert r["mean_acceptance_length"] >= 1.0
 

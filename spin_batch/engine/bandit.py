@@ -151,7 +151,7 @@ class BanditPolicy(Policy):
             self._rr += 1
             return [Choice(self.drafters[(self._rr + s) % len(self.drafters)], min(self.max_gamma, c)) if c else NO_SPEC
                     for s, c in zip(slots, caps)]
-        c0, c1 = self.cost.verify_coeffs()
+        _, c1 = self.cost.verify_coeffs()
         lam = self.cost.goodput.value
         # a drafter whose cost is still unknown is tried by one slot, with a short draft: trying
         # it on every slot at once could stall the whole batch behind an expensive drafter

@@ -319,12 +319,20 @@ class BatchLoop:
                 s.finish_reason = "length"
             if s.finish_reason:
                 break
-        if self.cfg.stop:
+        if self.cfg.stop and self._stop_in_tail(s, added):
             text = self.tok.decode(s.generated, skip_special_tokens=True)
             cut = min((text.find(x) for x in self.cfg.stop if x in text), default=-1)
             if cut >= 0:
                 s.finish_reason, s.text = "stop", text[:cut]
         return added
+
+    def _stop_in_tail(self, s: Slot, added: int) -> bool:
+        """Whether a stop string may end in this step's tokens: decodes only a short tail, not the
+        whole completion at every step (a token decodes to at least one character but for rare
+        partial bytes, so 4 tokens per stop character plus slack covers it)."""
+        window = added + 4 * max(len(x) for x in self.cfg.stop) + 8
+        tail = self.tok.decode(s.generated[-window:], skip_special_tokens=True)
+        return any(x in tail for x in self.cfg.stop)
 
     def _finish(self, s: Slot) -> None:
         gen = s.generated
