@@ -139,6 +139,73 @@ def report(out_dir, png):
 
 
 @main.command()
+@click.option("--target", required=True, help="The target model: a directory or builtin:NAME.")
+@click.option("--prompts", "prompts", multiple=True, required=True,
+              help="Training prompts: files, globs or dirs of JSONL/Parquet (repeatable).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Where the drafts (one directory per size), data and report go.")
+@click.option("--sizes", default="1x256,2x384,4x384", show_default=True,
+              help="Comma-separated draft sizes, LAYERSxWIDTH.")
+@click.option("--heldout", multiple=True, help="Held-out prompts for the agreement figures (repeatable).")
+@click.option("--steps", type=int, default=None, help="Optimizer steps per draft (default: from --epochs).")
+@click.option("--epochs", type=float, default=3.0, show_default=True, help="Passes over the data per draft.")
+@click.option("--lr", type=float, default=2e-3, show_default=True)
+@click.option("--batch-tokens", type=int, default=4096, show_default=True, help="Padded tokens per step.")
+@click.option("--vocab", type=int, default=8192, show_default=True, help="Target ids kept in the drafts' head.")
+@click.option("--topk", type=int, default=16, show_default=True, help="Teacher log-probs kept per position.")
+@click.option("--max-tokens", type=int, default=128, show_default=True, help="Completion length when generating.")
+@click.option("--slots", type=int, default=16, show_default=True, help="Batch slots when generating.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--save-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--no-progress", is_flag=True)
+def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_tokens, vocab, topk, max_tokens,
+            slots, seed, device, save_dtype, no_progress):
+    """Train a family of small drafts that imitate TARGET, by distillation on its own outputs.
+
+    The target generates completions for the prompts (a resumable job under OUT/data), scores
+    every position, and each draft size is trained against its top-k log-probs. Drafts are
+    written to OUT/<size>/ and load as `kind: model` drafters next to this target.
+    """
+    from pathlib import Path
+
+    from .distill import DistillSettings, run_distill
+    from .distill.net import parse_sizes
+    from .distill.train import TrainSettings
+    from .io.reader import list_shards
+    from .models.loader import ModelNotFoundError, check_model_ref
+
+    try:
+        archs = tuple(parse_sizes(sizes))
+        for p in (*prompts, *heldout):
+            list_shards([p])
+        for name, value, low in (("--epochs", epochs, 0), ("--lr", lr, 0), ("--batch-tokens", batch_tokens, 0),
+                                 ("--vocab", vocab, 0), ("--topk", topk, 0), ("--max-tokens", max_tokens, 0),
+                                 ("--slots", slots, 0), ("--steps", steps if steps is not None else 1, 0)):
+            if not value > low:
+                raise ValueError(f"{name} must be > {low}")
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    problems = check_model_ref(target)
+    if problems:
+        raise click.ClickException("\n".join(problems))
+    settings = DistillSettings(
+        target=target, prompts=tuple(prompts), out=Path(out_dir), sizes=archs, heldout=tuple(heldout),
+        max_tokens=max_tokens, slots=slots, vocab=vocab, topk=topk, device=device, save_dtype=save_dtype,
+        train=TrainSettings(epochs=epochs, steps=steps, batch_tokens=batch_tokens, lr=lr, seed=seed),
+    )
+    try:
+        report = run_distill(settings, progress=not no_progress)
+    except (ModelNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    from .distill import report_markdown
+
+    click.echo(report_markdown(report))
+    click.echo(f"drafts: {', '.join(d['dir'] for d in report['drafts'])}; report: {Path(out_dir) / 'report.json'}",
+               err=True)
+
+
+@main.command()
 def models():
     """List the builtin models and where they are cached."""
     from .models import loader

@@ -31,6 +31,7 @@ from .engine.sampling import SamplingParams
 from .io.reader import Request, check_input, iter_requests, list_shards, shard_defaults_from_env
 from .io.writer import OutputWriter, StatsWriter, cleanup_temp, make_run_id, read_done, write_json_atomic
 from .models import loader
+from .models.draft import check_pairing, draft_meta, load_draft
 from .models.llama import LlamaModel
 from .stats import RunStats
 
@@ -61,6 +62,8 @@ def check_models(job: JobConfig) -> list[str]:
             draft_dir = loader.resolve_model_dir(d.model)
             if loader.load_tokenizer(draft_dir).get_vocab() != target_vocab:
                 problems.append(f"drafters.{d.name}: tokenizer of {d.model} does not match the target's tokenizer")
+            elif (why := check_pairing(draft_dir, target_dir)) is not None:
+                problems.append(f"drafters.{d.name}: {why}")
     return problems
 
 
@@ -139,7 +142,12 @@ def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: tor
         if isinstance(d, EarlyExitDrafterConfig):
             drafters[d.name] = EarlyExitDrafter(d.name, target, target_cache, d.layers)
         elif isinstance(d, ModelDrafterConfig):
-            model = loader.load_model(loader.resolve_model_dir(d.model), d.dtype or job.target.dtype, device)
+            draft_dir = loader.resolve_model_dir(d.model)
+            dtype = d.dtype or job.target.dtype
+            if draft_meta(draft_dir) is not None:  # distilled: reads the target's embeddings
+                model = load_draft(draft_dir, target, loader.DTYPES[dtype], device)
+            else:
+                model = loader.load_model(draft_dir, dtype, device)
             if model.spec.vocab_size != target.spec.vocab_size:
                 raise ValueError(f"drafter {d.name!r}: vocab size {model.spec.vocab_size} differs from the "
                                  f"target's {target.spec.vocab_size}")

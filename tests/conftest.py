@@ -110,3 +110,35 @@ def write_jsonl(path: Path, rows: list) -> Path:
         for r in rows:
             f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
     return path
+
+
+TRAIN_PROMPTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "list three colours: red, green and blue",
+    "def add(a, b):",
+    "once upon a time there was",
+    "compute 12 * 7 =",
+    "what causes the tides?",
+    "red green blue red green",
+    "the moon pulls on the oceans",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_distilled(tmp_path_factory, tiny_dir):
+    """`spin-batch distill` run on the tiny target: two drafts, a 40-id head, a few seconds of training."""
+    from spin_batch.distill import DistillSettings, run_distill
+    from spin_batch.distill.net import parse_sizes
+    from spin_batch.distill.train import TrainSettings
+
+    root = tmp_path_factory.mktemp("distill")
+    prompts = write_jsonl(root / "train.jsonl", [{"id": f"t{i}", "kind": "k", "prompt": p}
+                                                 for i, p in enumerate(TRAIN_PROMPTS)])
+    held = write_jsonl(root / "held.jsonl", [{"id": f"h{i}", "kind": "a" if i % 2 else "b", "prompt": p[::-1]}
+                                             for i, p in enumerate(TRAIN_PROMPTS)])
+    settings = DistillSettings(
+        target=str(tiny_dir), prompts=(str(prompts),), out=root / "drafts", sizes=tuple(parse_sizes("1x64,2x64")),
+        heldout=(str(held),), max_tokens=24, slots=4, vocab=40, topk=8, device="cpu", cost_slots=(1, 2),
+        train=TrainSettings(steps=60, batch_tokens=256, lr=3e-3, seed=0),
+    )
+    return settings, run_distill(settings, progress=False)

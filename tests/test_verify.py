@@ -108,6 +108,22 @@ def test_speculative_sampling_reproduces_target_distribution(sp):
     assert second.sum() > 5_000  # enough accepted first tokens to test the second position
 
 
+def test_subset_head_draft_is_lossless():
+    """A distilled draft's q is zero outside its kept ids (models/draft.py): still lossless."""
+    p_logits, q_probs = _problem()
+    sp = SamplingParams(1.0)
+    kept = torch.zeros(V, dtype=torch.bool)
+    kept[::2] = True
+    kept[int(p_logits[0].argmax())] = False  # the target's likeliest first token is never drafted
+    q = q_probs * kept
+    q = q / q.sum(-1, keepdim=True)
+    p, first, second = _first_and_second(verify._accept_one, p_logits, q, sp, N_SAMPLES, seed=13)
+    ok1, z1 = _within_bound(p[0], first)
+    ok2, z2 = _within_bound(p[1], second)
+    assert ok1, f"first token off by {z1:.1f} sigma"
+    assert ok2, f"second token off by {z2:.1f} sigma"
+
+
 def test_deterministic_draft_is_lossless():
     """q = None (n-gram, vote): the draft token is fixed; the output must still follow p."""
     p_logits, _ = _problem()

@@ -25,6 +25,8 @@ class ModelDrafter(Drafter):
         self.model = model
         self.cache = cache
         self.num_layers = num_layers
+        # A distilled draft's head covers a subset of the target vocabulary: row k is target id vocab_ids[k].
+        self.vocab_ids = model.vocab_ids
         self.lens = [0] * cache.slots  # [slots] tokens of each slot held in this drafter's cache
 
     def on_admit(self, slot: int) -> None:
@@ -50,9 +52,10 @@ class ModelDrafter(Drafter):
             flat = torch.tensor([t for i in live for t in feeds[i]], dtype=torch.long, device=self.model.device)
             logits = self.model.forward(flat, seg, self.cache, seg.last_rows(), self.num_layers)  # [len(live), V]
             if sp.greedy:
-                picks = logits.argmax(-1).tolist()
+                rows = logits.argmax(-1)
+                picks = (rows if self.vocab_ids is None else self.vocab_ids[rows]).tolist()
             else:
-                probs = probs_from_logits(logits, sp)
+                probs = self._full_vocab(probs_from_logits(logits, sp))
                 picks = []
                 for j, i in enumerate(live):
                     qs[i].append(probs[j])
@@ -68,3 +71,10 @@ class ModelDrafter(Drafter):
             live = still
         probs_out = [None if sp.greedy else torch.stack(q) for q in qs]
         return Proposal(drafts, probs_out)
+
+    def _full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
+        """[M, K] over the head's rows -> [M, V] over target ids (zero outside the subset)."""
+        if self.vocab_ids is None:
+            return probs
+        full = probs.new_zeros(probs.shape[0], self.model.spec.vocab_size)
+        return full.index_copy_(1, self.vocab_ids, probs)

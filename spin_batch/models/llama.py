@@ -284,11 +284,15 @@ class LlamaModel:
         embed: torch.Tensor,  # [V, C]
         layers: list[LayerWeights],
         norm: torch.Tensor,  # [C]
-        lm_head: torch.Tensor,  # [V, C]
+        lm_head: torch.Tensor,  # [V, C], or [K, C] over a vocabulary subset (see vocab_ids)
         max_len: int | None = None,
+        embed_proj: torch.Tensor | None = None,  # [C, E]: embeddings of width E projected to C
+        vocab_ids: torch.Tensor | None = None,  # [K] long: target id of each lm_head row
     ):
         self.spec = spec
         self.embed = embed
+        self.embed_proj = None if embed_proj is None else Linear(embed_proj)
+        self.vocab_ids = vocab_ids
         self.layers = layers
         self.norm = norm
         self.lm_head = Linear(lm_head)
@@ -307,6 +311,13 @@ class LlamaModel:
         def get(name: str) -> torch.Tensor:
             return sd[name].to(device=device, dtype=dtype).contiguous()
 
+        embed = get("model.embed_tokens.weight")
+        head = embed if spec.tie_word_embeddings or "lm_head.weight" not in sd else get("lm_head.weight")
+        return cls(spec, embed, cls.layers_from_state_dict(spec, get), get("model.norm.weight"), head)
+
+    @staticmethod
+    def layers_from_state_dict(spec: ModelSpec, get) -> list[LayerWeights]:
+        """The decoder layers, fused (qkv, gate_up); get(name) returns a tensor on the target device."""
         layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
@@ -325,9 +336,7 @@ class LlamaModel:
                     down=Linear(get(p + "mlp.down_proj.weight")),
                 )
             )
-        embed = get("model.embed_tokens.weight")
-        head = embed if spec.tie_word_embeddings or "lm_head.weight" not in sd else get("lm_head.weight")
-        return cls(spec, embed, layers, get("model.norm.weight"), head)
+        return layers
 
     def _ensure_rope(self, length: int) -> None:
         if length <= self._rope_len:
@@ -380,7 +389,9 @@ class LlamaModel:
         cos = self.cos[seg.positions].unsqueeze(1)  # [N, 1, D]
         sin = self.sin_signed[seg.positions].unsqueeze(1)
         attend = self._kernel_attention(seg) if self.kernels else self._torch_attention(seg)
-        h = self.embed[tokens]  # [N, C]
+        h = self.embed[tokens]  # [N, C] (or [N, E], projected to C)
+        if self.embed_proj is not None:
+            h = self.embed_proj(h)
         for li, lw in enumerate(self.layers[: num_layers or s.num_layers]):
             x = rms_norm(h, lw.attn_norm, s.rms_norm_eps)
             qkv = lw.qkv(x)  # [N, (H + 2 KV) * D]

@@ -1,0 +1,173 @@
+"""`spin-batch distill`: a family of small drafts trained to imitate a target, offline.
+
+    generate  the target's greedy completions for the prompts (a job on our own runner)
+    score     the target's top-k log-probs at every position of prompt + completion
+    vocab     the K target ids with the most teacher mass: the drafts' output head
+    train     one draft per size, by KL distillation (seeded: the same inputs give the same draft)
+    measure   held-out top-1 agreement by prompt kind; cost per drafted token vs a target step
+Each draft is written as DIR/<LxW>/ (see models/draft.py) and loads as a `model` drafter.
+DIR/report.json and DIR/report.md hold the measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..io.writer import write_json_atomic
+from ..models import loader
+from ..models.draft import fingerprint, load_draft
+from .data import TeacherData, data_key, generation_job, score, sequences
+from .net import DraftArch, save_draft
+from .train import TrainSettings, agreement, choose_vocab, step_time, train_draft
+
+DEFAULT_SIZES = "1x256,2x384,4x384"
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    target: str
+    prompts: tuple[str, ...]
+    out: Path
+    sizes: tuple[DraftArch, ...]
+    heldout: tuple[str, ...] = ()
+    max_tokens: int = 128
+    slots: int = 16
+    vocab: int = 8192
+    topk: int = 16
+    device: str = "auto"
+    save_dtype: str = "bfloat16"
+    cost_slots: tuple[int, ...] = (1, 16)
+    train: TrainSettings = field(default_factory=TrainSettings)
+
+
+def _teacher(s: DistillSettings, name: str, prompts: tuple[str, ...], target, tokenizer, fp: str,
+             progress: bool) -> TeacherData:
+    """Generate and score (or reuse what an earlier run cached) the teacher data for these prompts."""
+    from ..runner import eos_ids, make_encoder, run_job
+
+    cache_file = s.out / "data" / f"{name}.pt"
+    key = data_key(fp, sorted(prompts), s.max_tokens, s.topk)
+    data = TeacherData.load(cache_file, key)
+    if data is not None:
+        return data
+    job = generation_job(s.target, list(prompts), s.out / "data" / name, s.max_tokens, s.slots, s.train.seed,
+                         s.device)
+    run_job(job, progress=progress, shard_index=0, num_shards=1)
+    target_dir = loader.resolve_model_dir(s.target)
+    eos = sorted(eos_ids(target_dir, tokenizer))
+    seqs, plens, kinds = sequences(job, Path(job.output.dir), tokenizer, make_encoder(tokenizer, job),
+                                   tokenizer.eos_token_id if tokenizer.eos_token_id is not None else
+                                   (eos[0] if eos else None))
+    if not seqs:
+        raise ValueError(f"no completions to learn from in {job.output.dir} (every row failed?)")
+    top_ids, top_logp = score(target, seqs, s.topk, progress=progress)
+    data = TeacherData([torch.tensor(q, dtype=torch.long) for q in seqs], plens, top_ids, top_logp, kinds)
+    data.save(cache_file, key)
+    return data
+
+
+def run_distill(s: DistillSettings, progress: bool = True) -> dict:
+    from ..runner import eos_ids
+
+    t_start = time.perf_counter()
+    device = loader.resolve_device(s.device)
+    target_dir = loader.resolve_model_dir(s.target)
+    tokenizer = loader.load_tokenizer(target_dir)
+    target = loader.load_model(target_dir, "float32", device)
+    fp = fingerprint(target_dir)
+    s.out.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.perf_counter()
+    train_data = _teacher(s, "train", s.prompts, target, tokenizer, fp, progress)
+    held = _teacher(s, "heldout", s.heldout, target, tokenizer, fp, progress) if s.heldout else None
+    data_s = time.perf_counter() - t0
+
+    always = sorted(eos_ids(target_dir, tokenizer))
+    vocab_ids = choose_vocab(train_data, s.vocab, target.spec.vocab_size, always, s.train.prompt_weight)
+    coverage = _coverage(held or train_data, vocab_ids, target.spec.vocab_size)
+
+    target_ms = {n: step_time(target, n) * 1e3 for n in s.cost_slots}
+    drafts = []
+    for arch in s.sizes:
+        net, info = train_draft(arch, train_data, target, vocab_ids, s.train, device, progress)
+        net.round_to(loader.DTYPES[s.save_dtype])  # measure exactly what is saved
+        row: dict = {"name": arch.name, "arch": asdict(arch), "params": sum(p.numel() for p in net.parameters()),
+                     **info}
+        if held is not None:
+            row["heldout_agreement"] = agreement(net, held, device)
+        out_dir = s.out / arch.name
+        save_draft(net, out_dir, target_dir, fp, {"trained": row}, loader.DTYPES[s.save_dtype])
+        model = load_draft(out_dir, target, torch.float32, device)
+        row["cost_ms"] = {str(n): round(step_time(model, n) * 1e3, 3) for n in s.cost_slots}
+        row["cost_vs_target_step"] = {str(n): round(row["cost_ms"][str(n)] / target_ms[n], 4) for n in s.cost_slots}
+        row["dir"] = str(out_dir)
+        drafts.append(row)
+        _write_config_info(out_dir, row)
+    report = {
+        "target": s.target,
+        "target_fingerprint": fp,
+        "prompts": list(s.prompts),
+        "heldout": list(s.heldout),
+        "train_sequences": len(train_data),
+        "train_tokens": train_data.num_tokens(),
+        "heldout_sequences": len(held) if held is not None else 0,
+        "vocab_subset": int(vocab_ids.shape[0]),
+        "heldout_coverage": coverage,
+        "target_step_ms": {str(n): round(v, 3) for n, v in target_ms.items()},
+        "data_s": round(data_s, 1),
+        "total_s": round(time.perf_counter() - t_start, 1),
+        "settings": {"max_tokens": s.max_tokens, "topk": s.topk, "vocab": s.vocab, **asdict(s.train)},
+        "machine": {"device": str(device), "threads": torch.get_num_threads(), "cpu": platform.processor()},
+        "drafts": drafts,
+    }
+    write_json_atomic(s.out / "report.json", report)
+    (s.out / "report.md").write_text(report_markdown(report))
+    return report
+
+
+def _coverage(data: TeacherData, vocab_ids: torch.Tensor, vocab_size: int) -> float:
+    """Fraction of completion positions whose teacher top-1 id is in the kept vocabulary."""
+    kept = torch.zeros(vocab_size, dtype=torch.bool)
+    kept[vocab_ids] = True
+    hit = tot = 0
+    for ids, plen in zip(data.top_ids, data.prompt_lens):
+        top = ids[max(plen - 1, 0):-1, 0].long()
+        hit += int(kept[top].sum())
+        tot += top.numel()
+    return round(hit / max(tot, 1), 4)
+
+
+def _write_config_info(out_dir: Path, row: dict) -> None:
+    """Record the measurements in the draft's config.json too (they travel with the draft)."""
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["spin_batch_draft"]["trained"] = row
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def report_markdown(r: dict) -> str:
+    slots = list(r["target_step_ms"])
+    kinds = sorted({k for d in r["drafts"] for k in d.get("heldout_agreement", {}) if k != "all"})
+    head = ["draft", "params", *[f"cost @{n} slot{'s' if n != '1' else ''}" for n in slots], "agreement", *kinds]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for d in r["drafts"]:
+        agr = d.get("heldout_agreement", {})
+        cells = [d["name"], f"{d['params'] / 1e6:.2f}M",
+                 *[f"{d['cost_vs_target_step'][n]:.3f} ({d['cost_ms'][n]:.2f} ms)" for n in slots],
+                 f"{agr.get('all', float('nan')):.3f}", *[f"{agr.get(k, float('nan')):.2f}" for k in kinds]]
+        lines.append("| " + " | ".join(cells) + " |")
+    target = ", ".join(f"{v:.2f} ms at {n} slot(s)" for n, v in r["target_step_ms"].items())
+    return (f"# Distilled drafts for {r['target']}\n\n"
+            f"Trained on {r['train_sequences']} sequences ({r['train_tokens']} tokens); held-out: "
+            f"{r['heldout_sequences']} sequences. Output head: {r['vocab_subset']} target ids, covering "
+            f"{r['heldout_coverage']:.1%} of the target's held-out next tokens. Target step: {target}. "
+            f"Total time {r['total_s'] / 60:.1f} min.\n\n"
+            "Cost: one drafted token (one decode step of the draft) relative to one target decode step at the "
+            "same slot count. Agreement: teacher-forced top-1 agreement with the target over held-out "
+            "completion positions.\n\n" + "\n".join(lines) + "\n")

@@ -1,0 +1,231 @@
+"""The trainable draft: a small Llama decoder on the target's frozen embeddings, with a subset head.
+
+DraftNet is the training-time form (autograd, whole sequences, causal SDPA). save_draft writes
+it in the format of models/draft.py, which loads into the inference LlamaModel; the two compute
+the same function (tests/test_distill.py checks the logits agree).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..models.draft import DRAFT_KEY
+from ..models.llama import ModelSpec, rope_inv_freq
+
+HEAD_DIM = 64
+
+
+@dataclass(frozen=True)
+class DraftArch:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+    @property
+    def name(self) -> str:
+        return f"d{self.layers}x{self.hidden}"
+
+    @classmethod
+    def parse(cls, text: str) -> "DraftArch":
+        """'LxW' (layers x width), e.g. '2x384': heads of 64, about 3 query heads per KV head, MLP 8/3 W."""
+        m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", text)
+        if not m:
+            raise ValueError(f"draft size {text!r} is not LAYERSxWIDTH, e.g. 2x384")
+        layers, width = int(m.group(1)), int(m.group(2))
+        if not 1 <= layers <= 32:
+            raise ValueError(f"draft size {text!r}: layers must be 1..32")
+        if width % HEAD_DIM or not HEAD_DIM <= width <= 4096:
+            raise ValueError(f"draft size {text!r}: width must be a multiple of {HEAD_DIM} in {HEAD_DIM}..4096")
+        heads = width // HEAD_DIM
+        kv = max(d for d in range(1, heads + 1) if heads % d == 0 and d <= max(1, heads // 3))
+        inter = -(-width * 8 // 3 // 64) * 64
+        return cls(layers, width, heads, kv, inter)
+
+
+def parse_sizes(text: str) -> list[DraftArch]:
+    archs = [DraftArch.parse(part) for part in text.split(",") if part.strip()]
+    if not archs:
+        raise ValueError("no draft sizes given")
+    if len({a.name for a in archs}) != len(archs):
+        raise ValueError(f"draft sizes repeat: {text}")
+    return archs
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, w.shape, w, eps)
+
+
+class _Layer(nn.Module):
+    def __init__(self, a: DraftArch):
+        super().__init__()
+        C, H, KV, D, I = a.hidden, a.heads, a.kv_heads, HEAD_DIM, a.intermediate
+        self.H, self.KV = H, KV
+        self.input_layernorm = nn.Parameter(torch.ones(C))
+        self.q_proj = nn.Linear(C, H * D, bias=False)
+        self.k_proj = nn.Linear(C, KV * D, bias=False)
+        self.v_proj = nn.Linear(C, KV * D, bias=False)
+        self.o_proj = nn.Linear(H * D, C, bias=False)
+        self.post_attention_layernorm = nn.Parameter(torch.ones(C))
+        self.gate_proj = nn.Linear(C, I, bias=False)
+        self.up_proj = nn.Linear(C, I, bias=False)
+        self.down_proj = nn.Linear(I, C, bias=False)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+        B, T, _ = h.shape
+        x = _rms(h, self.input_layernorm, eps)
+        q = self.q_proj(x).view(B, T, self.H, HEAD_DIM).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_proj(x).view(B, T, self.KV, HEAD_DIM).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.KV, HEAD_DIM).transpose(1, 2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, H, T, D]
+        h = h + self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        x = _rms(h, self.post_attention_layernorm, eps)
+        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DraftNet(nn.Module):
+    """tokens [B, T] -> logits [B, T, K] over the kept ids (vocab_ids)."""
+
+    def __init__(self, arch: DraftArch, target_embed: torch.Tensor, vocab_ids: torch.Tensor,
+                 rope_theta: float, rms_norm_eps: float = 1e-5):
+        super().__init__()
+        self.arch = arch
+        self.rope_theta = rope_theta
+        self.eps = rms_norm_eps
+        E = target_embed.shape[1]
+        self.register_buffer("embed", target_embed.detach().float(), persistent=False)  # frozen [V, E]
+        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)  # [K]
+        self.embed_proj = nn.Linear(E, arch.hidden, bias=False)
+        self.layers = nn.ModuleList(_Layer(arch) for _ in range(arch.layers))
+        self.norm = nn.Parameter(torch.ones(arch.hidden))
+        self.lm_head_proj = nn.Linear(arch.hidden, E, bias=False)  # weight [E, C]
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+        # Residual branch outputs start small (GPT-2 style), so depth does not blow up the stream.
+        for layer in self.layers:
+            for lin in (layer.o_proj, layer.down_proj):
+                nn.init.normal_(lin.weight, std=0.02 / (2 * arch.layers) ** 0.5)
+        nn.init.normal_(self.lm_head_proj.weight, std=arch.hidden**-0.5)
+        self._inv_freq = rope_inv_freq(self.spec())
+
+    def spec(self) -> ModelSpec:
+        return ModelSpec.from_hf_config(self.hf_config())
+
+    def hf_config(self) -> dict:
+        a = self.arch
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": int(self.embed.shape[0]),
+            "hidden_size": a.hidden,
+            "intermediate_size": a.intermediate,
+            "num_hidden_layers": a.layers,
+            "num_attention_heads": a.heads,
+            "num_key_value_heads": a.kv_heads,
+            "head_dim": HEAD_DIM,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": 8192,
+            "tie_word_embeddings": False,
+        }
+
+    def head_weight(self) -> torch.Tensor:
+        """[K, C]: the target's rows of the kept ids projected to the draft width."""
+        return self.embed[self.vocab_ids] @ self.lm_head_proj.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        T = tokens.shape[1]
+        freqs = torch.arange(T, dtype=torch.float32, device=tokens.device)[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()  # [T, D], broadcast over [B, H, T, D]
+        h = self.embed_proj(self.embed[tokens])
+        for layer in self.layers:
+            h = layer(h, cos, sin, self.eps)
+        return _rms(h, self.norm, self.eps) @ self.head_weight().T
+
+    def round_to(self, dtype: torch.dtype) -> None:
+        """Round the weights to dtype in place (kept in float32): what is saved is what was measured."""
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(p.to(dtype).float())
+
+    def saved_params(self) -> dict[str, nn.Parameter]:
+        """The parameters under their safetensors names (Hugging Face Llama naming where one exists)."""
+        sd: dict[str, nn.Parameter] = {
+            "model.embed_proj.weight": self.embed_proj.weight,
+            "model.norm.weight": self.norm,
+            "lm_head_proj.weight": self.lm_head_proj.weight,
+        }
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            sd[p + "input_layernorm.weight"] = layer.input_layernorm
+            sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm
+            for n in ("q", "k", "v", "o"):
+                sd[p + f"self_attn.{n}_proj.weight"] = getattr(layer, f"{n}_proj").weight
+            for n in ("gate", "up", "down"):
+                sd[p + f"mlp.{n}_proj.weight"] = getattr(layer, f"{n}_proj").weight
+        return sd
+
+    def state_for_save(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        out = {k: v.detach().to(dtype).contiguous() for k, v in self.saved_params().items()}
+        out["vocab_ids"] = self.vocab_ids.to(torch.int64).contiguous()
+        return out
+
+    @classmethod
+    def from_saved(cls, draft_dir: Path, target_embed: torch.Tensor) -> "DraftNet":
+        """The training form of a saved draft (to evaluate it, or to train it further)."""
+        from safetensors.torch import load_file
+
+        cfg = json.loads((Path(draft_dir) / "config.json").read_text())
+        sd = load_file(str(Path(draft_dir) / "model.safetensors"))
+        net = cls(DraftArch(**cfg[DRAFT_KEY]["arch"]), target_embed, sd.pop("vocab_ids"), cfg["rope_theta"],
+                  cfg["rms_norm_eps"])
+        params = net.saved_params()
+        if params.keys() != sd.keys():
+            raise ValueError(f"{draft_dir}: tensors do not match the draft architecture in config.json")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(sd[name].float())
+        return net.eval()
+
+
+def save_draft(net: DraftNet, out: Path, target_dir: Path, fingerprint: str, info: dict,
+               dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write an HF-style draft directory (config.json, model.safetensors, tokenizer files)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = net.hf_config()
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    cfg[DRAFT_KEY] = {
+        "format": 1,
+        "target_fingerprint": fingerprint,
+        "target_hidden_size": int(net.embed.shape[1]),
+        "vocab_subset": int(net.vocab_ids.shape[0]),
+        "arch": asdict(net.arch),
+        **info,
+    }
+    save_file(net.state_for_save(dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    for f in Path(target_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens_map", "generation_config", "vocab", "merges")) \
+                or f.name in ("chat_template.jinja",):
+            shutil.copy2(f, out / f.name)

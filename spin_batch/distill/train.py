@@ -1,0 +1,178 @@
+"""Training a draft by KL distillation against the teacher's top-k, and measuring it.
+
+The loss at each position is the cross-entropy of the draft's distribution over the kept ids
+against the teacher's top-k probabilities restricted to those ids and renormalised (KL up to
+a constant). Completion positions weigh 1; prompt positions weigh `prompt_weight`, because a
+draft only ever drafts inside completions.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..models.llama import LlamaModel
+from ..models.segments import Segments
+from .data import TeacherData
+from .net import DraftArch, DraftNet
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    epochs: float = 3.0
+    steps: int | None = None  # overrides epochs
+    batch_tokens: int = 4096  # padded tokens per optimizer step
+    lr: float = 2e-3
+    prompt_weight: float = 0.1
+    seed: int = 0
+
+
+def choose_vocab(data: TeacherData, size: int, vocab_size: int, always: list[int], prompt_weight: float) -> torch.Tensor:
+    """The `size` target ids with the most teacher probability mass (completion positions count fully)."""
+    mass = torch.zeros(vocab_size, dtype=torch.float64)
+    for ids, logp, plen in zip(data.top_ids, data.top_logp, data.prompt_lens):
+        w = torch.full((ids.shape[0], 1), prompt_weight, dtype=torch.float64)
+        w[max(plen - 1, 0):] = 1.0
+        mass.index_add_(0, ids.reshape(-1).long(), (logp.double().exp() * w).reshape(-1))
+    for t in always:
+        mass[t] = math.inf
+    order = torch.sort(-mass, stable=True).indices.tolist()  # most mass first; ties by id
+    keep = [i for i in order[:size] if mass[i] > 0]
+    return torch.tensor(sorted(keep), dtype=torch.long)
+
+
+def _batches(data: TeacherData, batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
+    """Sequences grouped by length so padding stays small; batch order shuffled."""
+    order = sorted(range(len(data)), key=lambda i: (len(data.tokens[i]), i))
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        n = len(data.tokens[i]) - 1  # the longest so far: the order is ascending
+        if cur and (len(cur) + 1) * n > batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    perm = torch.randperm(len(out), generator=gen).tolist()
+    return [out[p] for p in perm]
+
+
+def _collate(data: TeacherData, idx: list[int], lookup: torch.Tensor, prompt_weight: float, device):
+    """Inputs [B, T], teacher index into the kept ids [B, T, k] (-1: not kept), teacher probs, weights [B, T]."""
+    T = max(len(data.tokens[i]) for i in idx) - 1
+    k = data.top_ids[idx[0]].shape[1]
+    B = len(idx)
+    x = torch.zeros(B, T, dtype=torch.long)
+    tid = torch.full((B, T, k), -1, dtype=torch.long)
+    tp = torch.zeros(B, T, k)
+    w = torch.zeros(B, T)
+    for b, i in enumerate(idx):
+        n = len(data.tokens[i]) - 1
+        x[b, :n] = data.tokens[i][:n]
+        tid[b, :n] = lookup[data.top_ids[i][:n].long()]
+        tp[b, :n] = data.top_logp[i][:n].float().exp()
+        w[b, :n] = prompt_weight
+        w[b, max(data.prompt_lens[i] - 1, 0):n] = 1.0
+    tp = tp * (tid >= 0)
+    total = tp.sum(-1, keepdim=True)
+    w = w * (total[..., 0] > 0)
+    tp = tp / total.clamp_min(1e-9)
+    return x.to(device), tid.clamp_min(0).to(device), tp.to(device), w.to(device)
+
+
+def distill_loss(net: DraftNet, x, tid, tp, w) -> torch.Tensor:
+    logq = torch.log_softmax(net(x).float(), dim=-1)  # [B, T, K]
+    ce = -(tp * logq.gather(-1, tid)).sum(-1)  # [B, T]
+    return (ce * w).sum() / w.sum().clamp_min(1e-9)
+
+
+def train_draft(arch: DraftArch, data: TeacherData, target: LlamaModel, vocab_ids: torch.Tensor,
+                settings: TrainSettings, device: torch.device, progress: bool = True) -> tuple[DraftNet, dict]:
+    from tqdm import tqdm
+
+    torch.manual_seed(settings.seed)
+    gen = torch.Generator().manual_seed(settings.seed)
+    net = DraftNet(arch, target.embed.float(), vocab_ids, target.spec.rope_theta, target.spec.rms_norm_eps).to(device)
+    lookup = torch.full((target.spec.vocab_size,), -1, dtype=torch.long)
+    lookup[vocab_ids] = torch.arange(vocab_ids.shape[0])
+    per_epoch = len(_batches(data, settings.batch_tokens, torch.Generator().manual_seed(0)))
+    steps = settings.steps or max(1, round(settings.epochs * per_epoch))
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=settings.lr,
+                            betas=(0.9, 0.95), weight_decay=0.0)
+    warm = max(1, min(50, steps // 20))
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return settings.lr * (step + 1) / warm
+        t = (step - warm) / max(1, steps - warm)
+        return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    t0 = time.perf_counter()
+    queue: list[list[int]] = []
+    losses: list[float] = []
+    bar = tqdm(total=steps, unit="step", desc=f"distill: {arch.name}", disable=not progress, dynamic_ncols=True)
+    net.train()
+    for step in range(steps):
+        if not queue:
+            queue = _batches(data, settings.batch_tokens, gen)
+        batch = _collate(data, queue.pop(), lookup, settings.prompt_weight, device)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        loss = distill_loss(net, *batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        bar.update(1)
+        bar.set_postfix_str(f"loss {statistics.fmean(losses[-20:]):.3f}", refresh=False)
+    bar.close()
+    net.eval()
+    info = {"steps": steps, "steps_per_epoch": per_epoch, "train_s": round(time.perf_counter() - t0, 1),
+            "final_loss": round(statistics.fmean(losses[-20:]), 4), "lr": settings.lr, "seed": settings.seed,
+            "batch_tokens": settings.batch_tokens, "train_tokens": data.num_tokens()}
+    return net, info
+
+
+@torch.inference_mode()
+def agreement(net: DraftNet, data: TeacherData, device: torch.device) -> dict[str, float]:
+    """Teacher-forced top-1 agreement with the target over completion positions, overall and by kind."""
+    hits: dict[str, list[int]] = {}
+    ids_list = net.vocab_ids
+    for i in range(len(data)):
+        n = len(data.tokens[i]) - 1
+        a = max(data.prompt_lens[i] - 1, 0)
+        if n <= a:
+            continue
+        logits = net(data.tokens[i][:n].to(device)[None])[0, a:n]
+        pred = ids_list[logits.argmax(-1)].cpu()
+        want = data.top_ids[i][a:n, 0].long()
+        h = hits.setdefault(data.kinds[i], [0, 0])
+        h[0] += int((pred == want).sum())
+        h[1] += n - a
+    out = {k: round(v[0] / v[1], 4) for k, v in sorted(hits.items())}
+    total = [sum(v[0] for v in hits.values()), sum(v[1] for v in hits.values())]
+    out["all"] = round(total[0] / max(total[1], 1), 4)
+    return out
+
+
+@torch.inference_mode()
+def step_time(model: LlamaModel, slots: int, context: int = 128, reps: int = 15) -> float:
+    """Median seconds of one decode step (one new token per slot, logits + argmax) at this batch size."""
+    cache = model.allocate_cache(slots, context + reps + 8)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.spec.vocab_size, (slots * context,), generator=g).to(model.device)
+    model.forward(prompt, Segments.build([(s, context, 0) for s in range(slots)], model.device), cache, [0])
+    times = []
+    for r in range(reps + 3):
+        tok = torch.randint(0, model.spec.vocab_size, (slots,), generator=g).to(model.device)
+        seg = Segments.build([(s, 1, context + r) for s in range(slots)], model.device)
+        t0 = time.perf_counter()
+        model.forward(tok, seg, cache).argmax(-1).tolist()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[3:])

@@ -1,0 +1,170 @@
+"""`spin-batch distill`: data, training, the draft format, and drafting with a subset head."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from spin_batch.cli import main
+from spin_batch.config import parse_job
+from spin_batch.distill.data import TeacherData
+from spin_batch.distill.net import DraftArch, DraftNet, parse_sizes, save_draft
+from spin_batch.distill.train import agreement
+from spin_batch.drafters.base import DraftRequest
+from spin_batch.drafters.model import ModelDrafter
+from spin_batch.engine.sampling import SamplingParams, make_generator
+from spin_batch.models.draft import DRAFT_KEY, check_pairing, fingerprint, load_draft
+from spin_batch.models.loader import load_model, load_tokenizer
+from spin_batch.models.segments import Segments
+from spin_batch.runner import check_models, run_job
+
+from .conftest import TRAIN_PROMPTS, write_jsonl
+
+
+def test_distill_writes_loadable_drafts_and_a_report(tiny_distilled, tiny_dir):
+    settings, report = tiny_distilled
+    assert [d["name"] for d in report["drafts"]] == ["d1x64", "d2x64"]
+    assert report["vocab_subset"] == 40
+    saved = json.loads((settings.out / "report.json").read_text())
+    assert saved["drafts"][0]["cost_vs_target_step"].keys() == {"1", "2"}
+    assert "| d2x64 |" in (settings.out / "report.md").read_text()
+    target = load_model(tiny_dir)
+    for d in report["drafts"]:
+        cfg = json.loads((settings.out / d["name"] / "config.json").read_text())
+        assert cfg[DRAFT_KEY]["target_fingerprint"] == fingerprint(tiny_dir)
+        assert (settings.out / d["name"] / "tokenizer.json").exists()
+        model = load_draft(settings.out / d["name"], target, torch.float32, torch.device("cpu"))
+        assert model.vocab_ids.shape == (40,)
+        assert set(d["heldout_agreement"]) == {"a", "b", "all"}
+        assert d["steps"] == 60 and d["final_loss"] > 0
+
+
+def test_training_learns_the_teacher(tiny_distilled, tiny_dir):
+    """On its own training data a trained draft agrees with the target far more than an untrained one."""
+    settings, report = tiny_distilled
+    data = TeacherData.load(settings.out / "data" / "train.pt", _key(settings))
+    assert data is not None and len(data) == len(TRAIN_PROMPTS)
+    target = load_model(tiny_dir)
+    trained = DraftNet.from_saved(settings.out / "d2x64", target.embed)
+    fresh = DraftNet(DraftArch.parse("2x64"), target.embed, trained.vocab_ids, target.spec.rope_theta)
+    cpu = torch.device("cpu")
+    assert agreement(trained, data, cpu)["all"] > agreement(fresh, data, cpu)["all"] + 0.2
+
+
+def test_rerun_reuses_the_cached_teacher_data(tiny_distilled, tiny_dir):
+    settings, _ = tiny_distilled
+    data_file = settings.out / "data" / "train.pt"
+    assert TeacherData.load(data_file, _key(settings)) is not None
+    assert TeacherData.load(data_file, "another-key") is None  # other prompts or settings: regenerate
+
+
+def test_inference_model_computes_the_training_function(tmp_path, tiny_dir):
+    target = load_model(tiny_dir)
+    torch.manual_seed(1)
+    vocab_ids = torch.tensor(sorted(torch.randperm(target.spec.vocab_size)[:30].tolist()))
+    net = DraftNet(DraftArch.parse("2x128"), target.embed, vocab_ids, target.spec.rope_theta).eval()
+    save_draft(net, tmp_path / "d", tiny_dir, fingerprint(tiny_dir), {}, dtype=torch.float32)
+    model = load_draft(tmp_path / "d", target, torch.float32, torch.device("cpu"))
+    tokens = torch.randint(0, target.spec.vocab_size, (1, 21))
+    with torch.no_grad():
+        want = net(tokens)[0]
+    cache = model.allocate_cache(1, 64)
+    got = model.forward(tokens[0, :13], Segments.build([(0, 13, 0)]), cache)  # prefill, then a second chunk
+    got2 = model.forward(tokens[0, 13:], Segments.build([(0, 8, 13)]), cache)
+    torch.testing.assert_close(torch.cat([got, got2]), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampling"])
+def test_subset_head_proposes_only_kept_target_ids(tiny_distilled, tiny_dir, greedy):
+    settings, _ = tiny_distilled
+    target, tok = load_model(tiny_dir), load_tokenizer(tiny_dir)
+    model = load_draft(settings.out / "d1x64", target, torch.float32, torch.device("cpu"))
+    kept = set(model.vocab_ids.tolist())
+    drafter = ModelDrafter("d", model, model.allocate_cache(4, 128))
+    sp = SamplingParams() if greedy else SamplingParams(1.0)
+    reqs = [DraftRequest(slot=i, tokens=tok.encode(p), gamma=6, gen=make_generator(0, str(i)))
+            for i, p in enumerate(TRAIN_PROMPTS[:4])]
+    for _ in range(3):  # several proposals per slot; sampling draws different tokens each time
+        for r in reqs:
+            drafter.on_commit(r.slot, r.tokens)  # nothing was accepted: the drafter rewinds
+        prop = drafter.propose(reqs, sp)
+        for r, toks, q in zip(reqs, prop.tokens, prop.probs):
+            assert len(toks) == 6 and set(toks) <= kept
+            if not greedy:
+                assert q.shape == (6, target.spec.vocab_size)
+                outside = torch.ones(target.spec.vocab_size, dtype=torch.bool)
+                outside[model.vocab_ids] = False
+                assert q[:, outside].sum() == 0
+                torch.testing.assert_close(q.sum(-1), torch.ones(6))
+                assert all(q[j, t] > 0 for j, t in enumerate(toks))
+
+
+def _two_jobs(tmp_path, tiny_dir, draft_dir, selector: str, temperature: float = 0.0):
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": str(i), "prompt": p} for i, p in enumerate(TRAIN_PROMPTS)])
+    out = {}
+    for name, sel in (("ar", "none"), ("spec", selector)):
+        job = parse_job({
+            "input": {"paths": [str(prompts)]}, "output": {"dir": str(tmp_path / name)},
+            "target": {"model": str(tiny_dir), "device": "cpu"},
+            "drafters": [{"name": "trained", "kind": "model", "model": str(draft_dir)}, {"name": "ngram", "kind": "ngram"}],
+            "spin": {"selector": sel}, "batch": {"slots": 3, "max_model_len": 128},
+            "sampling": {"max_tokens": 24, "temperature": temperature, "ignore_eos": True},
+        })
+        assert check_models(job) == []
+        out[name] = run_job(job, progress=False).summary
+    return out
+
+
+@pytest.mark.parametrize("selector", ["fixed:trained", "ucb"])
+def test_trained_draft_in_a_job_equals_autoregressive(tmp_path, tiny_distilled, tiny_dir, selector):
+    from spin_batch.io.writer import read_outputs
+
+    settings, _ = tiny_distilled
+    summaries = _two_jobs(tmp_path, tiny_dir, settings.out / "d2x64", selector)
+    ar = dict(zip(*read_outputs(tmp_path / "ar").select("id", "text").to_dict(as_series=False).values()))
+    spec = dict(zip(*read_outputs(tmp_path / "spec").select("id", "text").to_dict(as_series=False).values()))
+    assert spec == ar and len(ar) == len(TRAIN_PROMPTS)
+    drafted = summaries["spec"]["drafters"]["trained"]
+    assert drafted["draft_tokens"] > 0 and drafted["accepted_draft_tokens"] > 0
+
+
+def test_draft_for_another_target_is_rejected_before_loading(tiny_distilled, tiny_dir, tiny_qwen_dir):
+    settings, _ = tiny_distilled
+    assert check_pairing(settings.out / "d1x64", tiny_dir) is None
+    why = check_pairing(settings.out / "d1x64", tiny_qwen_dir)
+    assert why is not None and "another target" in why
+    job = parse_job({
+        "input": {"paths": ["x.jsonl"]}, "output": {"dir": "o"}, "target": {"model": str(tiny_qwen_dir)},
+        "drafters": [{"name": "trained", "kind": "model", "model": str(settings.out / "d1x64")}],
+    })
+    assert any("another target" in p for p in check_models(job))
+
+
+def test_sizes_parse():
+    assert DraftArch.parse("2x384") == DraftArch(2, 384, 6, 2, 1024)
+    assert [a.name for a in parse_sizes("1x256, 4x384")] == ["d1x256", "d4x384"]
+    for bad in ("2", "2x100", "0x64", "2x64,2x64"):
+        with pytest.raises(ValueError):
+            parse_sizes(bad)
+
+
+def test_cli_rejects_bad_arguments_before_loading(tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "x"}])
+    r = CliRunner().invoke(main, ["distill", "--target", str(tmp_path / "nope"), "--prompts", str(prompts),
+                                  "--out", str(tmp_path / "o")])
+    assert r.exit_code != 0 and "no config.json" in r.output
+    r = CliRunner().invoke(main, ["distill", "--target", "builtin:smollm2-135m", "--prompts", str(prompts),
+                                  "--out", str(tmp_path / "o"), "--sizes", "3x100"])
+    assert r.exit_code != 0 and "multiple of 64" in r.output
+    r = CliRunner().invoke(main, ["distill", "--target", "builtin:smollm2-135m", "--prompts",
+                                  str(tmp_path / "missing*.jsonl"), "--out", str(tmp_path / "o")])
+    assert r.exit_code != 0 and not (tmp_path / "o").exists()
+
+
+def _key(settings) -> str:
+    from spin_batch.distill.data import data_key
+
+    return data_key(fingerprint(settings.target), sorted(settings.prompts), settings.max_tokens, settings.topk)
