@@ -158,13 +158,18 @@ def report(out_dir, png):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True)
 @click.option("--save-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--plain", is_flag=True,
+              help="Drafts that read only tokens (default: they also read the target's last hidden state).")
+@click.option("--feature-weight", type=float, default=1.0, show_default=True,
+              help="Weight of the feature regression loss (feature-reading drafts).")
 @click.option("--no-progress", is_flag=True)
 def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_tokens, vocab, topk, max_tokens,
-            slots, seed, device, save_dtype, no_progress):
+            slots, seed, device, save_dtype, plain, feature_weight, no_progress):
     """Train a family of small drafts that imitate TARGET, by distillation on its own outputs.
 
     The target generates completions for the prompts (a resumable job under OUT/data), scores
-    every position, and each draft size is trained against its top-k log-probs. Drafts are
+    every position, and each draft size is trained against its top-k log-probs (and, unless
+    --plain, to predict the target's next hidden state from its current one). Drafts are
     written to OUT/<size>/ and load as `kind: model` drafters next to this target.
     """
     from pathlib import Path
@@ -192,7 +197,8 @@ def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_t
     settings = DistillSettings(
         target=target, prompts=tuple(prompts), out=Path(out_dir), sizes=archs, heldout=tuple(heldout),
         max_tokens=max_tokens, slots=slots, vocab=vocab, topk=topk, device=device, save_dtype=save_dtype,
-        train=TrainSettings(epochs=epochs, steps=steps, batch_tokens=batch_tokens, lr=lr, seed=seed),
+        train=TrainSettings(epochs=epochs, steps=steps, batch_tokens=batch_tokens, lr=lr, seed=seed,
+                            features=not plain, feature_weight=feature_weight),
     )
     try:
         report = run_distill(settings, progress=not no_progress)

@@ -22,7 +22,7 @@ from .config import (
 )
 from .drafters.base import Drafter
 from .drafters.early_exit import EarlyExitDrafter, check_layers
-from .drafters.model import ModelDrafter
+from .drafters.model import FeatureDrafter, ModelDrafter
 from .drafters.ngram import NgramDrafter
 from .drafters.vote import VoteDrafter
 from .engine.loop import BatchLoop, LoopSettings
@@ -31,7 +31,7 @@ from .engine.sampling import SamplingParams
 from .io.reader import Request, check_input, iter_requests, list_shards, shard_defaults_from_env
 from .io.writer import OutputWriter, StatsWriter, cleanup_temp, make_run_id, read_done, write_json_atomic
 from .models import loader
-from .models.draft import check_pairing, draft_meta, load_draft
+from .models.draft import TargetFeatures, check_pairing, draft_meta, load_draft
 from .models.llama import LlamaModel
 from .stats import RunStats
 
@@ -138,13 +138,15 @@ def make_encoder(tokenizer, job: JobConfig) -> Callable[[Request], list[int]]:
 
 def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: torch.device) -> dict[str, Drafter]:
     drafters: dict[str, Drafter] = {}
+    features: TargetFeatures | None = None  # shared by the drafters that read the target's features
     for d in job.drafters:
         if isinstance(d, EarlyExitDrafterConfig):
             drafters[d.name] = EarlyExitDrafter(d.name, target, target_cache, d.layers)
         elif isinstance(d, ModelDrafterConfig):
             draft_dir = loader.resolve_model_dir(d.model)
             dtype = d.dtype or job.target.dtype
-            if draft_meta(draft_dir) is not None:  # distilled: reads the target's embeddings
+            meta = draft_meta(draft_dir)
+            if meta is not None:  # distilled: reads the target's embeddings (and maybe its features)
                 model = load_draft(draft_dir, target, loader.DTYPES[dtype], device)
             else:
                 model = loader.load_model(draft_dir, dtype, device)
@@ -152,7 +154,13 @@ def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: tor
                 raise ValueError(f"drafter {d.name!r}: vocab size {model.spec.vocab_size} differs from the "
                                  f"target's {target.spec.vocab_size}")
             cache = model.allocate_cache(job.batch.slots, job.batch.max_model_len)
-            drafters[d.name] = ModelDrafter(d.name, model, cache)
+            if model.feature_head is not None:
+                if features is None:
+                    features = TargetFeatures(job.batch.slots, job.batch.max_model_len, target.spec.hidden_size,
+                                              target.spec.rms_norm_eps, target.dtype, device)
+                drafters[d.name] = FeatureDrafter(d.name, model, cache, features)
+            else:
+                drafters[d.name] = ModelDrafter(d.name, model, cache)
         elif isinstance(d, NgramDrafterConfig):
             drafters[d.name] = NgramDrafter(d.name, d.min_ngram, d.max_ngram)
         elif not isinstance(d, VoteDrafterConfig):  # a kind added to config.py but not here

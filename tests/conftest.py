@@ -124,21 +124,31 @@ TRAIN_PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def tiny_distilled(tmp_path_factory, tiny_dir):
-    """`spin-batch distill` run on the tiny target: two drafts, a 40-id head, a few seconds of training."""
+def distill_tiny(root: Path, target_dir: Path, sizes: str, features: bool):
+    """`spin-batch distill` run on the tiny target: a 40-id head, a few seconds of training."""
     from spin_batch.distill import DistillSettings, run_distill
     from spin_batch.distill.net import parse_sizes
     from spin_batch.distill.train import TrainSettings
 
-    root = tmp_path_factory.mktemp("distill")
     prompts = write_jsonl(root / "train.jsonl", [{"id": f"t{i}", "kind": "k", "prompt": p}
                                                  for i, p in enumerate(TRAIN_PROMPTS)])
     held = write_jsonl(root / "held.jsonl", [{"id": f"h{i}", "kind": "a" if i % 2 else "b", "prompt": p[::-1]}
                                              for i, p in enumerate(TRAIN_PROMPTS)])
     settings = DistillSettings(
-        target=str(tiny_dir), prompts=(str(prompts),), out=root / "drafts", sizes=tuple(parse_sizes("1x64,2x64")),
+        target=str(target_dir), prompts=(str(prompts),), out=root / "drafts", sizes=tuple(parse_sizes(sizes)),
         heldout=(str(held),), max_tokens=24, slots=4, vocab=40, topk=8, device="cpu", cost_slots=(1, 2),
-        train=TrainSettings(steps=60, batch_tokens=256, lr=3e-3, seed=0),
+        train=TrainSettings(steps=60, batch_tokens=256, lr=3e-3, seed=0, features=features),
     )
     return settings, run_distill(settings, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_distilled(tmp_path_factory, tiny_dir):
+    """Two feature-reading drafts (the default kind) distilled from the tiny target."""
+    return distill_tiny(tmp_path_factory.mktemp("distill"), tiny_dir, "1x64,2x64", features=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_distilled_plain(tmp_path_factory, tiny_dir):
+    """A plain (token-only) draft distilled from the tiny target."""
+    return distill_tiny(tmp_path_factory.mktemp("distill-plain"), tiny_dir, "1x64", features=False)

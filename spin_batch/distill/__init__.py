@@ -27,6 +27,7 @@ from .net import DraftArch, save_draft
 from .train import TrainSettings, agreement, choose_vocab, step_time, train_draft
 
 DEFAULT_SIZES = "1x256,2x384,4x384"
+DATA_VERSION = 2  # bump when the cached teacher data changes form
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,18 @@ class DistillSettings:
     train: TrainSettings = field(default_factory=TrainSettings)
 
 
+def teacher_key(s: DistillSettings, prompts: tuple[str, ...], fp: str) -> str:
+    """What the cached teacher data depends on: a rerun with the same key reuses it."""
+    return data_key(DATA_VERSION, fp, sorted(prompts), s.max_tokens, s.topk)
+
+
 def _teacher(s: DistillSettings, name: str, prompts: tuple[str, ...], target, tokenizer, fp: str,
              progress: bool) -> TeacherData:
     """Generate and score (or reuse what an earlier run cached) the teacher data for these prompts."""
     from ..runner import eos_ids, make_encoder, run_job
 
     cache_file = s.out / "data" / f"{name}.pt"
-    key = data_key(fp, sorted(prompts), s.max_tokens, s.topk)
+    key = teacher_key(s, prompts, fp)
     data = TeacherData.load(cache_file, key)
     if data is not None:
         return data
@@ -66,8 +72,8 @@ def _teacher(s: DistillSettings, name: str, prompts: tuple[str, ...], target, to
                                    (eos[0] if eos else None))
     if not seqs:
         raise ValueError(f"no completions to learn from in {job.output.dir} (every row failed?)")
-    top_ids, top_logp = score(target, seqs, s.topk, progress=progress)
-    data = TeacherData([torch.tensor(q, dtype=torch.long) for q in seqs], plens, top_ids, top_logp, kinds)
+    top_ids, top_logp, feats = score(target, seqs, s.topk, progress=progress)
+    data = TeacherData([torch.tensor(q, dtype=torch.long) for q in seqs], plens, top_ids, top_logp, kinds, feats)
     data.save(cache_file, key)
     return data
 

@@ -19,6 +19,7 @@ import torch
 from ..config import parse_job
 from ..io.reader import iter_requests, list_shards
 from ..io.writer import read_outputs
+from ..models.draft import normalize
 from ..models.llama import LlamaModel
 from ..models.segments import Segments
 
@@ -32,6 +33,11 @@ class TeacherData:
     top_ids: list[torch.Tensor] = field(default_factory=list)  # [n, k] int32: teacher's top ids at row t (for t+1)
     top_logp: list[torch.Tensor] = field(default_factory=list)  # [n, k] float16
     kinds: list[str] = field(default_factory=list)  # the input's `kind` column, or "all"
+    features: list[torch.Tensor] = field(default_factory=list)  # [n, E] float16: normalised last hidden state
+
+    def subset(self, idx: list[int]) -> "TeacherData":
+        return TeacherData(*([getattr(self, f)[i] for i in idx] if getattr(self, f) else []
+                             for f in ("tokens", "prompt_lens", "top_ids", "top_logp", "kinds", "features")))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -113,8 +119,9 @@ def sequences(job, out_dir: Path, tokenizer, encode, eos_id: int | None) -> tupl
 
 @torch.inference_mode()
 def score(target: LlamaModel, seqs: list[list[int]], topk: int, chunk_tokens: int = 1024,
-          progress: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The target's top-k log-probs at every position of every sequence (packed prefill forwards)."""
+          progress: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The target's top-k log-probs and normalised last hidden state at every position of every
+    sequence (packed prefill forwards)."""
     from tqdm import tqdm
 
     longest = max(len(s) for s in seqs)
@@ -122,6 +129,7 @@ def score(target: LlamaModel, seqs: list[list[int]], topk: int, chunk_tokens: in
     cache = target.allocate_cache(slots, longest)
     top_ids: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
     top_logp: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    feats: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     bar = tqdm(total=sum(len(s) for s in seqs), unit="tok", desc="distill: scoring", disable=not progress,
                dynamic_ncols=True)
@@ -135,12 +143,15 @@ def score(target: LlamaModel, seqs: list[list[int]], topk: int, chunk_tokens: in
             i += 1
         seg = Segments.build([(slot, len(seqs[j]), 0) for slot, j in enumerate(batch)], target.device)
         flat = torch.tensor([t for j in batch for t in seqs[j]], dtype=torch.long, device=target.device)
-        logp = torch.log_softmax(target.forward(flat, seg, cache), dim=-1)  # [N, V]
+        logits, hidden = target.forward_with_hidden(flat, seg, cache)
+        logp = torch.log_softmax(logits, dim=-1)  # [N, V]
         vals, ids = logp.topk(topk, dim=-1)
+        g = normalize(hidden, target.spec.rms_norm_eps).to(torch.float16).cpu()
         for s, j in enumerate(batch):
             a, b = seg.starts[s], seg.starts[s + 1]
             top_ids[j] = ids[a:b].to(torch.int32).cpu()
             top_logp[j] = vals[a:b].to(torch.float16).cpu()
+            feats[j] = g[a:b]
         bar.update(int(flat.shape[0]))
     bar.close()
-    return top_ids, top_logp
+    return top_ids, top_logp, feats

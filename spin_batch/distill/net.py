@@ -100,29 +100,33 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class DraftNet(nn.Module):
-    """tokens [B, T] -> logits [B, T, K] over the kept ids (vocab_ids)."""
+    """tokens [B, T] (and, for a feature-reading draft, the target's normalised features [B, T, E]
+    paired with them) -> logits [B, T, K] over the kept ids, and the predicted features [B, T, E]."""
 
-    def __init__(self, arch: DraftArch, target_embed: torch.Tensor, vocab_ids: torch.Tensor,
-                 rope_theta: float, rms_norm_eps: float = 1e-5):
+    def __init__(self, arch: DraftArch, target_embed: torch.Tensor, target_norm: torch.Tensor,
+                 vocab_ids: torch.Tensor, rope_theta: float, rms_norm_eps: float = 1e-5,
+                 reads_features: bool = False):
         super().__init__()
         self.arch = arch
         self.rope_theta = rope_theta
         self.eps = rms_norm_eps
+        self.reads_features = reads_features
         E = target_embed.shape[1]
         self.register_buffer("embed", target_embed.detach().float(), persistent=False)  # frozen [V, E]
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)  # [K]
-        self.embed_proj = nn.Linear(E, arch.hidden, bias=False)
+        # The target's head over the kept ids, its final norm weight folded in (frozen) [K, E].
+        self.register_buffer("head_e", self.embed[self.vocab_ids] * target_norm.detach().float(), persistent=False)
+        self.embed_proj = nn.Linear(2 * E if reads_features else E, arch.hidden, bias=False)
         self.layers = nn.ModuleList(_Layer(arch) for _ in range(arch.layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden))
-        self.lm_head_proj = nn.Linear(arch.hidden, E, bias=False)  # weight [E, C]
-        for name, p in self.named_parameters():
+        self.lm_head_proj = nn.Linear(arch.hidden, E, bias=False)  # weight [E, C]: to the target's feature space
+        for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
         # Residual branch outputs start small (GPT-2 style), so depth does not blow up the stream.
         for layer in self.layers:
             for lin in (layer.o_proj, layer.down_proj):
                 nn.init.normal_(lin.weight, std=0.02 / (2 * arch.layers) ** 0.5)
-        nn.init.normal_(self.lm_head_proj.weight, std=arch.hidden**-0.5)
         self._inv_freq = rope_inv_freq(self.spec())
 
     def spec(self) -> ModelSpec:
@@ -147,19 +151,23 @@ class DraftNet(nn.Module):
             "tie_word_embeddings": False,
         }
 
-    def head_weight(self) -> torch.Tensor:
-        """[K, C]: the target's rows of the kept ids projected to the draft width."""
-        return self.embed[self.vocab_ids] @ self.lm_head_proj.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, feats: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         T = tokens.shape[1]
         freqs = torch.arange(T, dtype=torch.float32, device=tokens.device)[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()  # [T, D], broadcast over [B, H, T, D]
-        h = self.embed_proj(self.embed[tokens])
+        x = self.embed[tokens]
+        if self.reads_features:
+            x = torch.cat((x, feats), dim=-1)
+        h = self.embed_proj(x)
         for layer in self.layers:
             h = layer(h, cos, sin, self.eps)
-        return _rms(h, self.norm, self.eps) @ self.head_weight().T
+        h = _rms(h, self.norm, self.eps)
+        if not self.reads_features:  # one [K, C] matmul, as at inference
+            return h @ (self.head_e @ self.lm_head_proj.weight).T, None
+        g = self.lm_head_proj(h)
+        return g @ self.head_e.T, g
 
     def round_to(self, dtype: torch.dtype) -> None:
         """Round the weights to dtype in place (kept in float32): what is saved is what was measured."""
@@ -190,14 +198,15 @@ class DraftNet(nn.Module):
         return out
 
     @classmethod
-    def from_saved(cls, draft_dir: Path, target_embed: torch.Tensor) -> "DraftNet":
+    def from_saved(cls, draft_dir: Path, target_embed: torch.Tensor, target_norm: torch.Tensor) -> "DraftNet":
         """The training form of a saved draft (to evaluate it, or to train it further)."""
         from safetensors.torch import load_file
 
         cfg = json.loads((Path(draft_dir) / "config.json").read_text())
         sd = load_file(str(Path(draft_dir) / "model.safetensors"))
-        net = cls(DraftArch(**cfg[DRAFT_KEY]["arch"]), target_embed, sd.pop("vocab_ids"), cfg["rope_theta"],
-                  cfg["rms_norm_eps"])
+        meta = cfg[DRAFT_KEY]
+        net = cls(DraftArch(**meta["arch"]), target_embed, target_norm, sd.pop("vocab_ids"), cfg["rope_theta"],
+                  cfg["rms_norm_eps"], bool(meta.get("reads_target_features")))
         params = net.saved_params()
         if params.keys() != sd.keys():
             raise ValueError(f"{draft_dir}: tensors do not match the draft architecture in config.json")
@@ -220,6 +229,7 @@ def save_draft(net: DraftNet, out: Path, target_dir: Path, fingerprint: str, inf
         "target_fingerprint": fingerprint,
         "target_hidden_size": int(net.embed.shape[1]),
         "vocab_subset": int(net.vocab_ids.shape[0]),
+        "reads_target_features": net.reads_features,
         "arch": asdict(net.arch),
         **info,
     }

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..models.llama import LlamaModel
 from ..models.segments import Segments
@@ -29,6 +30,8 @@ class TrainSettings:
     lr: float = 2e-3
     prompt_weight: float = 0.1
     seed: int = 0
+    features: bool = True  # the drafts read the target's last hidden state (EAGLE-style)
+    feature_weight: float = 1.0  # weight of the feature regression loss
 
 
 def choose_vocab(data: TeacherData, size: int, vocab_size: int, always: list[int], prompt_weight: float) -> torch.Tensor:
@@ -62,33 +65,63 @@ def _batches(data: TeacherData, batch_tokens: int, gen: torch.Generator) -> list
     return [out[p] for p in perm]
 
 
-def _collate(data: TeacherData, idx: list[int], lookup: torch.Tensor, prompt_weight: float, device):
-    """Inputs [B, T], teacher index into the kept ids [B, T, k] (-1: not kept), teacher probs, weights [B, T]."""
-    T = max(len(data.tokens[i]) for i in idx) - 1
+@dataclass
+class Batch:
+    x: torch.Tensor  # [B, T] input tokens
+    feats: torch.Tensor | None  # [B, T, E] target features paired with the inputs (feature drafts)
+    tid: torch.Tensor  # [B, T, k] teacher ids as indices into the kept ids (0 where not kept: weight 0)
+    tp: torch.Tensor  # [B, T, k] teacher probabilities over the kept ids, renormalised
+    w: torch.Tensor  # [B, T] position weights (0: padding)
+    g: torch.Tensor | None  # [B, T, E] the target's feature at each position (regression target)
+
+
+def collate(data: TeacherData, idx: list[int], lookup: torch.Tensor, prompt_weight: float, device,
+            features: bool) -> Batch:
+    """Row r of a sequence of length L predicts token r + 1 (teacher row r), for r < L - 1.
+
+    A feature draft reads (token r, target feature r - 1), so its rows start at r = 1; row r's
+    predicted feature is regressed onto the target's feature r.
+    """
+    o = 1 if features else 0
+    T = max(len(data.tokens[i]) for i in idx) - 1 - o
     k = data.top_ids[idx[0]].shape[1]
     B = len(idx)
     x = torch.zeros(B, T, dtype=torch.long)
     tid = torch.full((B, T, k), -1, dtype=torch.long)
     tp = torch.zeros(B, T, k)
     w = torch.zeros(B, T)
+    E = data.features[idx[0]].shape[1] if features else 0
+    f_in = torch.zeros(B, T, E) if features else None
+    g = torch.zeros(B, T, E) if features else None
     for b, i in enumerate(idx):
-        n = len(data.tokens[i]) - 1
-        x[b, :n] = data.tokens[i][:n]
-        tid[b, :n] = lookup[data.top_ids[i][:n].long()]
-        tp[b, :n] = data.top_logp[i][:n].float().exp()
+        L = len(data.tokens[i])
+        n = L - 1 - o  # rows o .. L - 2
+        x[b, :n] = data.tokens[i][o : L - 1]
+        tid[b, :n] = lookup[data.top_ids[i][o : L - 1].long()]
+        tp[b, :n] = data.top_logp[i][o : L - 1].float().exp()
         w[b, :n] = prompt_weight
-        w[b, max(data.prompt_lens[i] - 1, 0):n] = 1.0
+        w[b, max(data.prompt_lens[i] - 1 - o, 0) : n] = 1.0
+        if features:
+            f_in[b, :n] = data.features[i][: L - 2].float()
+            g[b, :n] = data.features[i][1 : L - 1].float()
     tp = tp * (tid >= 0)
     total = tp.sum(-1, keepdim=True)
-    w = w * (total[..., 0] > 0)
     tp = tp / total.clamp_min(1e-9)
-    return x.to(device), tid.clamp_min(0).to(device), tp.to(device), w.to(device)
+    w_ce = w * (total[..., 0] > 0)
+    to = (lambda t: None if t is None else t.to(device))
+    return Batch(x.to(device), to(f_in), tid.clamp_min(0).to(device), tp.to(device), w_ce.to(device), to(g))
 
 
-def distill_loss(net: DraftNet, x, tid, tp, w) -> torch.Tensor:
-    logq = torch.log_softmax(net(x).float(), dim=-1)  # [B, T, K]
-    ce = -(tp * logq.gather(-1, tid)).sum(-1)  # [B, T]
-    return (ce * w).sum() / w.sum().clamp_min(1e-9)
+def distill_loss(net: DraftNet, b: Batch, feature_weight: float) -> torch.Tensor:
+    logits, g = net(b.x, b.feats)
+    logq = torch.log_softmax(logits.float(), dim=-1)  # [B, T, K]
+    ce = -(b.tp * logq.gather(-1, b.tid)).sum(-1)  # [B, T]
+    loss = (ce * b.w).sum() / b.w.sum().clamp_min(1e-9)
+    if g is not None and feature_weight:
+        reg = F.smooth_l1_loss(g, b.g, reduction="none").mean(-1)  # [B, T]
+        mask = (b.w > 0).float()
+        loss = loss + feature_weight * (reg * mask).sum() / mask.sum().clamp_min(1)
+    return loss
 
 
 def train_draft(arch: DraftArch, data: TeacherData, target: LlamaModel, vocab_ids: torch.Tensor,
@@ -97,7 +130,8 @@ def train_draft(arch: DraftArch, data: TeacherData, target: LlamaModel, vocab_id
 
     torch.manual_seed(settings.seed)
     gen = torch.Generator().manual_seed(settings.seed)
-    net = DraftNet(arch, target.embed.float(), vocab_ids, target.spec.rope_theta, target.spec.rms_norm_eps).to(device)
+    net = DraftNet(arch, target.embed.float(), target.norm.float(), vocab_ids, target.spec.rope_theta,
+                   target.spec.rms_norm_eps, settings.features).to(device)
     lookup = torch.full((target.spec.vocab_size,), -1, dtype=torch.long)
     lookup[vocab_ids] = torch.arange(vocab_ids.shape[0])
     per_epoch = len(_batches(data, settings.batch_tokens, torch.Generator().manual_seed(0)))
@@ -120,10 +154,10 @@ def train_draft(arch: DraftArch, data: TeacherData, target: LlamaModel, vocab_id
     for step in range(steps):
         if not queue:
             queue = _batches(data, settings.batch_tokens, gen)
-        batch = _collate(data, queue.pop(), lookup, settings.prompt_weight, device)
+        batch = collate(data, queue.pop(), lookup, settings.prompt_weight, device, settings.features)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        loss = distill_loss(net, *batch)
+        loss = distill_loss(net, batch, settings.feature_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -135,27 +169,31 @@ def train_draft(arch: DraftArch, data: TeacherData, target: LlamaModel, vocab_id
     net.eval()
     info = {"steps": steps, "steps_per_epoch": per_epoch, "train_s": round(time.perf_counter() - t0, 1),
             "final_loss": round(statistics.fmean(losses[-20:]), 4), "lr": settings.lr, "seed": settings.seed,
-            "batch_tokens": settings.batch_tokens, "train_tokens": data.num_tokens()}
+            "batch_tokens": settings.batch_tokens, "train_tokens": data.num_tokens(),
+            "reads_target_features": settings.features}
     return net, info
 
 
 @torch.inference_mode()
 def agreement(net: DraftNet, data: TeacherData, device: torch.device) -> dict[str, float]:
-    """Teacher-forced top-1 agreement with the target over completion positions, overall and by kind."""
+    """Teacher-forced top-1 agreement with the target over completion positions, overall and by kind.
+
+    A feature draft reads the target's true features here: this is its first-token agreement.
+    """
     hits: dict[str, list[int]] = {}
-    ids_list = net.vocab_ids
+    lookup = torch.full((int(net.embed.shape[0]),), -1, dtype=torch.long)
+    lookup[net.vocab_ids] = torch.arange(net.vocab_ids.shape[0])
     for i in range(len(data)):
-        n = len(data.tokens[i]) - 1
-        a = max(data.prompt_lens[i] - 1, 0)
-        if n <= a:
-            continue
-        logits = net(data.tokens[i][:n].to(device)[None])[0, a:n]
-        pred = ids_list[logits.argmax(-1)].cpu()
-        want = data.top_ids[i][a:n, 0].long()
+        b = collate(data, [i], lookup, 0.0, device, net.reads_features)
+        logits, _ = net(b.x, b.feats)
+        pred = net.vocab_ids[logits[0].argmax(-1)].cpu()
+        o = 1 if net.reads_features else 0
+        want = data.top_ids[i][o : len(data.tokens[i]) - 1, 0].long()
+        done = torch.arange(len(want)) >= data.prompt_lens[i] - 1 - o  # completion rows
         h = hits.setdefault(data.kinds[i], [0, 0])
-        h[0] += int((pred == want).sum())
-        h[1] += n - a
-    out = {k: round(v[0] / v[1], 4) for k, v in sorted(hits.items())}
+        h[0] += int(((pred == want) & done).sum())
+        h[1] += int(done.sum())
+    out = {k: round(v[0] / v[1], 4) for k, v in sorted(hits.items()) if v[1]}
     total = [sum(v[0] for v in hits.values()), sum(v[1] for v in hits.values())]
     out["all"] = round(total[0] / max(total[1], 1), 4)
     return out
@@ -163,16 +201,29 @@ def agreement(net: DraftNet, data: TeacherData, device: torch.device) -> dict[st
 
 @torch.inference_mode()
 def step_time(model: LlamaModel, slots: int, context: int = 128, reps: int = 15) -> float:
-    """Median seconds of one decode step (one new token per slot, logits + argmax) at this batch size."""
+    """Median seconds of one decode step (one new token per slot, logits + argmax) at this batch size.
+
+    A feature-reading draft is timed on its whole path: features in, predicted features and logits out.
+    """
     cache = model.allocate_cache(slots, context + reps + 8)
     g = torch.Generator().manual_seed(0)
+    feature_head = model.feature_head
+    width = model.embed.shape[1]
+
+    def step(tokens: torch.Tensor, seg: Segments, rows: list[int] | None) -> torch.Tensor:
+        if feature_head is None:
+            return model.forward(tokens, seg, cache, rows)
+        feats = torch.randn(tokens.shape[0], width, generator=g).to(model.device, model.dtype)
+        h = model.hidden(tokens, seg, cache, extra=feats)
+        return feature_head(model.norm, h if rows is None else h[rows])[0]
+
     prompt = torch.randint(0, model.spec.vocab_size, (slots * context,), generator=g).to(model.device)
-    model.forward(prompt, Segments.build([(s, context, 0) for s in range(slots)], model.device), cache, [0])
+    step(prompt, Segments.build([(s, context, 0) for s in range(slots)], model.device), [0])
     times = []
     for r in range(reps + 3):
         tok = torch.randint(0, model.spec.vocab_size, (slots,), generator=g).to(model.device)
         seg = Segments.build([(s, 1, context + r) for s in range(slots)], model.device)
         t0 = time.perf_counter()
-        model.forward(tok, seg, cache).argmax(-1).tolist()
+        step(tok, seg, None).argmax(-1).tolist()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[3:])

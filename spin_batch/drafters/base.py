@@ -30,6 +30,9 @@ class Drafter(ABC):
     """A source of draft tokens. Per-slot state, if any, is keyed by the batch slot index."""
 
     kind: str = ""
+    # A models.draft.TargetFeatures the loop fills at every target forward, for drafters that read
+    # the target's hidden states; None for the others.
+    features = None
 
     def __init__(self, name: str):
         self.name = name

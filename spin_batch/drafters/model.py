@@ -12,6 +12,7 @@ import torch
 
 from ..engine.sampling import SamplingParams, probs_from_logits, sample
 from ..models.cache import KVCache
+from ..models.draft import TargetFeatures
 from ..models.llama import LlamaModel
 from ..models.segments import Segments
 from .base import Drafter, DraftRequest, Proposal
@@ -51,15 +52,7 @@ class ModelDrafter(Drafter):
             seg = Segments.build([(reqs[i].slot, len(feeds[i]), starts[i]) for i in live], self.model.device)
             flat = torch.tensor([t for i in live for t in feeds[i]], dtype=torch.long, device=self.model.device)
             logits = self.model.forward(flat, seg, self.cache, seg.last_rows(), self.num_layers)  # [len(live), V]
-            if sp.greedy:
-                rows = logits.argmax(-1)
-                picks = (rows if self.vocab_ids is None else self.vocab_ids[rows]).tolist()
-            else:
-                probs = self._full_vocab(probs_from_logits(logits, sp))
-                picks = []
-                for j, i in enumerate(live):
-                    qs[i].append(probs[j])
-                    picks.append(sample(probs[j], reqs[i].gen))
+            picks = self._pick(logits, [reqs[i] for i in live], sp, [qs[i] for i in live])
             still = []
             for j, i in enumerate(live):
                 self.lens[reqs[i].slot] = starts[i] + len(feeds[i])
@@ -69,8 +62,20 @@ class ModelDrafter(Drafter):
                     feeds[i] = [picks[j]]
                     still.append(i)
             live = still
-        probs_out = [None if sp.greedy else torch.stack(q) for q in qs]
-        return Proposal(drafts, probs_out)
+        return Proposal(drafts, [None if sp.greedy else torch.stack(q) for q in qs])
+
+    def _pick(self, logits: torch.Tensor, reqs: list[DraftRequest], sp: SamplingParams,
+              qs: list[list[torch.Tensor]]) -> list[int]:
+        """One draft token per row of logits (target ids); under sampling, appends each row's q to qs."""
+        if sp.greedy:
+            rows = logits.argmax(-1)
+            return (rows if self.vocab_ids is None else self.vocab_ids[rows]).tolist()
+        probs = self._full_vocab(probs_from_logits(logits, sp))
+        picks = []
+        for j, r in enumerate(reqs):
+            qs[j].append(probs[j])
+            picks.append(sample(probs[j], r.gen))
+        return picks
 
     def _full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
         """[M, K] over the head's rows -> [M, V] over target ids (zero outside the subset)."""
@@ -78,3 +83,51 @@ class ModelDrafter(Drafter):
             return probs
         full = probs.new_zeros(probs.shape[0], self.model.spec.vocab_size)
         return full.index_copy_(1, self.vocab_ids, probs)
+
+
+class FeatureDrafter(ModelDrafter):
+    """A distilled draft that also reads the target's last hidden state (EAGLE-style).
+
+    Its cache holds one entry per verified position p: the pair (token p + 1, the target's
+    feature at p). A proposal first feeds the pairs committed since the last one, whose features
+    the target wrote into `features` while verifying; each further draft token is fed with the
+    feature the draft itself predicted. Those draft pairs are never counted as seen, so the
+    next proposal overwrites them with the target's real features.
+    """
+
+    def __init__(self, name: str, model: LlamaModel, cache: KVCache, features: TargetFeatures):
+        super().__init__(name, model, cache)
+        if model.feature_head is None:
+            raise ValueError(f"drafter {name!r}: the model does not read target features")
+        self.features = features
+        self.head = model.feature_head
+
+    def on_commit(self, slot: int, tokens: list[int]) -> None:
+        """Nothing to roll back: the cache counts only pairs whose feature came from the target."""
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[DraftRequest], sp: SamplingParams) -> Proposal:
+        drafts: list[list[int]] = [[] for _ in reqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        dtype = self.model.dtype
+        starts = [self.lens[r.slot] for r in reqs]
+        feeds = [r.tokens[s + 1:] for r, s in zip(reqs, starts)]  # token p + 1 for p in [seen, n - 1)
+        gs = [self.features.g[r.slot, s : len(r.tokens) - 1].to(dtype) for r, s in zip(reqs, starts)]
+        live = list(range(len(reqs)))
+        while live:
+            seg = Segments.build([(reqs[i].slot, len(feeds[i]), starts[i]) for i in live], self.model.device)
+            flat = torch.tensor([t for i in live for t in feeds[i]], dtype=torch.long, device=self.model.device)
+            h = self.model.hidden(flat, seg, self.cache, extra=torch.cat([gs[i] for i in live]))
+            logits, g = self.head(self.model.norm, h[seg.last_rows()])
+            picks = self._pick(logits, [reqs[i] for i in live], sp, [qs[i] for i in live])
+            still = []
+            for j, i in enumerate(live):
+                if not drafts[i]:
+                    self.lens[reqs[i].slot] = len(reqs[i].tokens) - 1  # every verified pair is in the cache
+                drafts[i].append(picks[j])
+                if len(drafts[i]) < reqs[i].gamma:
+                    starts[i] += len(feeds[i])
+                    feeds[i], gs[i] = [picks[j]], g[j : j + 1]
+                    still.append(i)
+            live = still
+        return Proposal(drafts, [None if sp.greedy else torch.stack(q) for q in qs])

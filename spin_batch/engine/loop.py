@@ -105,6 +105,9 @@ class BatchLoop:
         self.pending_rows: list[dict] = []  # finished rows not yet handed out
         self.on_finish: Callable[[Slot], None] | None = None  # observer (bench, tests): sees each finished slot
         self._stream: torch.cuda.Stream | None = None
+        # Target-feature buffers of the drafters that read them (one shared buffer, normally).
+        self._features = list({id(d.features): d.features for d in self.drafters.values()
+                               if d.features is not None}.values())
 
     # -- admission ----------------------------------------------------------------------
 
@@ -263,7 +266,12 @@ class BatchLoop:
 
     def verify(self, plan: Plan) -> torch.Tensor:
         """The step's one packed target forward; logits [len(plan.logits_rows), V]."""
-        return self.target.forward(plan.flat, plan.seg, self.cache, plan.logits_rows)
+        if not self._features:
+            return self.target.forward(plan.flat, plan.seg, self.cache, plan.logits_rows)
+        logits, hidden = self.target.forward_with_hidden(plan.flat, plan.seg, self.cache, plan.logits_rows)
+        for f in self._features:
+            f.write(plan.seg, hidden)
+        return logits
 
     def accept(self, plan: Plan, proposal: Proposal, logits: torch.Tensor) -> Verdict:
         """Verdicts for decoding slots, then one per finishing prefill (an empty draft)."""

@@ -4,16 +4,22 @@ A distilled draft is a Hugging Face-style directory (config.json, model.safetens
 target's tokenizer files). Its config.json is a plain Llama config of the draft's own decoder
 (hidden_size, layers, heads) with one extra block, "spin_batch_draft":
 
-    target_fingerprint   identifies the target it was distilled for (see fingerprint())
-    target_hidden_size   E, the width of the target's token embeddings
-    vocab_subset         K, the number of target ids the output head covers
+    target_fingerprint      identifies the target it was distilled for (see fingerprint())
+    target_hidden_size      E, the width of the target's token embeddings
+    vocab_subset            K, the number of target ids the output head covers
+    reads_target_features   whether the draft also reads the target's last hidden state
 
-Two things make such a draft cheap where a CPU spends its time, and both read the target:
+Three things make such a draft cheap where a CPU spends its time and accurate where a small
+model is weak, and all of them read the target:
 - input embeddings are the target's own rows (frozen, never stored in the draft), projected
-  from E to the draft width by `model.embed_proj.weight` [C, E];
-- the output head covers only K frequent target ids (`vocab_ids` [K]); its weight is the
-  target's embedding rows of those ids times `lm_head_proj.weight` [E, C], computed once at
-  load time, and a proposal maps head row k back to target id vocab_ids[k].
+  to the draft width C by `model.embed_proj.weight`;
+- the output head covers only K frequent target ids (`vocab_ids` [K]). A draft predicts a
+  feature g in the target's normalised hidden space, g = lm_head_proj.weight [E, C] @
+  rms_norm(h), and scores it with the target's own head restricted to those ids (embedding
+  rows times the target's final norm weight); head row k is target id vocab_ids[k];
+- a feature-reading draft (EAGLE-style) also takes the target's normalised last hidden state
+  at the previous position: its input is embed_proj [C, 2E] @ [embedding(x_t); g_{t-1}]. While
+  drafting past the verified tokens it feeds back its own predicted g.
 So the draft loads only next to the target it was trained for; `check_pairing` says so before
 any weights load.
 """
@@ -26,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from .llama import LlamaModel, ModelSpec
+from .llama import Linear, LlamaModel, ModelSpec
+from .segments import Segments
 
 DRAFT_KEY = "spin_batch_draft"
 EMBED_KEY = "model.embed_tokens.weight"
@@ -75,8 +82,45 @@ def check_pairing(draft_dir: Path, target_dir: Path) -> str | None:
     return None
 
 
+class TargetFeatures:
+    """The target's normalised last hidden state per slot and position, for feature-reading drafts.
+
+    Written at every target forward at the rows' (slot, position), like the KV cache; a position
+    is valid once its token is committed, and later writes overwrite rejected rows.
+    """
+
+    def __init__(self, slots: int, max_len: int, width: int, eps: float, dtype: torch.dtype, device: torch.device):
+        self.g = torch.zeros(slots, max_len, width, dtype=dtype, device=device)
+        self.eps = eps
+
+    def write(self, seg: Segments, hidden: torch.Tensor) -> None:
+        self.g[seg.token_slots, seg.positions] = normalize(hidden, self.eps).to(self.g.dtype)
+
+
+def normalize(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation without a weight: the feature space a draft reads and predicts."""
+    return torch.nn.functional.rms_norm(h, (h.shape[-1],), None, eps)
+
+
+class FeatureHead:
+    """A draft's output side: rms_norm(h) -> predicted target feature g [E] -> logits over the kept ids."""
+
+    def __init__(self, proj: torch.Tensor, head: torch.Tensor, eps: float):
+        self.proj = Linear(proj)  # [E, C]
+        self.head = Linear(head)  # [K, E]: target embedding rows of the kept ids times the target's norm weight
+        self.eps = eps
+
+    def __call__(self, norm: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.proj(torch.nn.functional.rms_norm(h, norm.shape, norm, self.eps))
+        return self.head(g).float(), g
+
+
 def load_draft(draft_dir: Path, target: LlamaModel, dtype: torch.dtype, device: torch.device) -> LlamaModel:
-    """An inference LlamaModel for a distilled draft, sharing the target's embedding tensor."""
+    """An inference LlamaModel for a distilled draft, sharing the target's embedding tensor.
+
+    A feature-reading draft gets a `feature_head` (FeatureHead); a plain one a precomputed
+    [K, C] lm_head, so one matmul scores the kept ids.
+    """
     from .loader import load_state_dict, read_spec
 
     meta = draft_meta(draft_dir)
@@ -92,7 +136,13 @@ def load_draft(draft_dir: Path, target: LlamaModel, dtype: torch.dtype, device: 
 
     vocab_ids = sd["vocab_ids"].to(device=device, dtype=torch.long)
     embed = target.embed if target.embed.dtype == dtype else target.embed.to(dtype)
-    # The head is fixed at load time: the target's rows of the kept ids, projected to the draft width.
-    head = (embed[vocab_ids].float() @ sd["lm_head_proj.weight"].to(device=device, dtype=torch.float32)).to(dtype)
-    return LlamaModel(spec, embed, LlamaModel.layers_from_state_dict(spec, get), get("model.norm.weight"),
-                      head.contiguous(), embed_proj=get("model.embed_proj.weight"), vocab_ids=vocab_ids)
+    # The target's head restricted to the kept ids, with its final norm weight folded in: [K, E].
+    head_e = embed[vocab_ids].float() * target.norm.float()
+    proj = sd["lm_head_proj.weight"].to(device=device, dtype=torch.float32)  # [E, C]
+    model = LlamaModel(spec, embed, LlamaModel.layers_from_state_dict(spec, get), get("model.norm.weight"),
+                       (head_e @ proj).to(dtype).contiguous(), embed_proj=get("model.embed_proj.weight"),
+                       vocab_ids=vocab_ids)
+    if meta.get("reads_target_features"):
+        model.feature_head = FeatureHead(proj.to(dtype).contiguous(), head_e.to(dtype).contiguous(),
+                                         spec.rms_norm_eps)
+    return model

@@ -293,6 +293,7 @@ class LlamaModel:
         self.embed = embed
         self.embed_proj = None if embed_proj is None else Linear(embed_proj)
         self.vocab_ids = vocab_ids
+        self.feature_head = None  # a FeatureHead (models/draft.py) for drafts that read target features
         self.layers = layers
         self.norm = norm
         self.lm_head = Linear(lm_head)
@@ -374,15 +375,31 @@ class LlamaModel:
         num_layers: int | None = None,
     ) -> torch.Tensor:
         """Returns logits [M, V] in float32 (M = N when logits_rows is None)."""
+        return self.forward_with_hidden(tokens, seg, cache, logits_rows, num_layers)[0]
+
+    @torch.inference_mode()
+    def forward_with_hidden(
+        self,
+        tokens: torch.Tensor,
+        seg: Segments,
+        cache: KVCache,
+        logits_rows: torch.Tensor | list[int] | None = None,
+        num_layers: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(), plus the final residual [N, C] of every row (before the final norm)."""
         h = self.hidden(tokens, seg, cache, num_layers)
-        if logits_rows is not None:
-            h = h[torch.as_tensor(logits_rows, dtype=torch.long, device=h.device)]
-        return self.logits(h)
+        rows = h if logits_rows is None else h[torch.as_tensor(logits_rows, dtype=torch.long, device=h.device)]
+        return self.logits(rows), h
 
     def hidden(
-        self, tokens: torch.Tensor, seg: Segments, cache: KVCache, num_layers: int | None = None
+        self, tokens: torch.Tensor, seg: Segments, cache: KVCache, num_layers: int | None = None,
+        extra: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Runs the first num_layers layers (all by default) and returns the residual [N, C]."""
+        """Runs the first num_layers layers (all by default) and returns the residual [N, C].
+
+        extra [N, X], if given, is concatenated to the token embeddings before embed_proj (a draft
+        that reads the target's features does this).
+        """
         s = self.spec
         n_tok = tokens.shape[0]
         H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
@@ -390,6 +407,8 @@ class LlamaModel:
         sin = self.sin_signed[seg.positions].unsqueeze(1)
         attend = self._kernel_attention(seg) if self.kernels else self._torch_attention(seg)
         h = self.embed[tokens]  # [N, C] (or [N, E], projected to C)
+        if extra is not None:
+            h = torch.cat((h, extra), dim=-1)
         if self.embed_proj is not None:
             h = self.embed_proj(h)
         for li, lw in enumerate(self.layers[: num_layers or s.num_layers]):
