@@ -162,9 +162,12 @@ def report(out_dir, png):
               help="Drafts that read only tokens (default: they also read the target's last hidden state).")
 @click.option("--feature-weight", type=float, default=1.0, show_default=True,
               help="Weight of the feature regression loss (feature-reading drafts).")
+@click.option("--no-unroll", is_flag=True,
+              help="Train feature-reading drafts on the target's features only (default: also on their own "
+                   "predicted features, as in their second draft step).")
 @click.option("--no-progress", is_flag=True)
 def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_tokens, vocab, topk, max_tokens,
-            slots, seed, device, save_dtype, plain, feature_weight, no_progress):
+            slots, seed, device, save_dtype, plain, feature_weight, no_unroll, no_progress):
     """Train a family of small drafts that imitate TARGET, by distillation on its own outputs.
 
     The target generates completions for the prompts (a resumable job under OUT/data), scores
@@ -198,7 +201,7 @@ def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_t
         target=target, prompts=tuple(prompts), out=Path(out_dir), sizes=archs, heldout=tuple(heldout),
         max_tokens=max_tokens, slots=slots, vocab=vocab, topk=topk, device=device, save_dtype=save_dtype,
         train=TrainSettings(epochs=epochs, steps=steps, batch_tokens=batch_tokens, lr=lr, seed=seed,
-                            features=not plain, feature_weight=feature_weight),
+                            features=not plain, feature_weight=feature_weight, unroll=not no_unroll),
     )
     try:
         report = run_distill(settings, progress=not no_progress)

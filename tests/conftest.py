@@ -145,7 +145,7 @@ def distill_tiny(root: Path, target_dir: Path, sizes: str, features: bool):
 @pytest.fixture(scope="session")
 def tiny_distilled(tmp_path_factory, tiny_dir):
     """Two feature-reading drafts (the default kind) distilled from the tiny target."""
-    return distill_tiny(tmp_path_factory.mktemp("distill"), tiny_dir, "1x64,2x64", features=True)
+    return distill_tiny(tmp_path_factory.mktemp("distill"), tiny_dir, "1x64:24,2x64", features=True)
 
 
 @pytest.fixture(scope="session")

@@ -26,8 +26,8 @@ from .conftest import TRAIN_PROMPTS, write_jsonl
 
 def test_distill_writes_loadable_drafts_and_a_report(tiny_distilled, tiny_dir):
     settings, report = tiny_distilled
-    assert [d["name"] for d in report["drafts"]] == ["d1x64", "d2x64"]
-    assert report["vocab_subset"] == 40
+    assert [d["name"] for d in report["drafts"]] == ["d1x64-k24", "d2x64"]
+    assert [d["vocab_subset"] for d in report["drafts"]] == [24, 40]
     saved = json.loads((settings.out / "report.json").read_text())
     assert saved["drafts"][0]["cost_vs_target_step"].keys() == {"1", "2"}
     assert "| d2x64 |" in (settings.out / "report.md").read_text()
@@ -37,7 +37,7 @@ def test_distill_writes_loadable_drafts_and_a_report(tiny_distilled, tiny_dir):
         assert cfg[DRAFT_KEY]["target_fingerprint"] == fingerprint(tiny_dir)
         assert (settings.out / d["name"] / "tokenizer.json").exists()
         model = load_draft(settings.out / d["name"], target, torch.float32, torch.device("cpu"))
-        assert model.vocab_ids.shape == (40,)
+        assert model.vocab_ids.shape == (d["vocab_subset"],)
         assert set(d["heldout_agreement"]) == {"a", "b", "all"}
         assert d["steps"] == 60 and d["final_loss"] > 0
 
@@ -153,20 +153,21 @@ def test_trained_draft_in_a_job_equals_autoregressive(tmp_path, tiny_distilled, 
 
 def test_draft_for_another_target_is_rejected_before_loading(tiny_distilled, tiny_dir, tiny_qwen_dir):
     settings, _ = tiny_distilled
-    assert check_pairing(settings.out / "d1x64", tiny_dir) is None
-    why = check_pairing(settings.out / "d1x64", tiny_qwen_dir)
+    assert check_pairing(settings.out / "d2x64", tiny_dir) is None
+    why = check_pairing(settings.out / "d2x64", tiny_qwen_dir)
     assert why is not None and "another target" in why
     job = parse_job({
         "input": {"paths": ["x.jsonl"]}, "output": {"dir": "o"}, "target": {"model": str(tiny_qwen_dir)},
-        "drafters": [{"name": "trained", "kind": "model", "model": str(settings.out / "d1x64")}],
+        "drafters": [{"name": "trained", "kind": "model", "model": str(settings.out / "d2x64")}],
     })
     assert any("another target" in p for p in check_models(job))
 
 
 def test_sizes_parse():
     assert DraftArch.parse("2x384") == DraftArch(2, 384, 6, 2, 1024)
-    assert [a.name for a in parse_sizes("1x256, 4x384")] == ["d1x256", "d4x384"]
-    for bad in ("2", "2x100", "0x64", "2x64,2x64"):
+    assert DraftArch.parse("1x192:2048") == DraftArch(1, 192, 3, 1, 512, 2048)
+    assert [a.name for a in parse_sizes("1x256, 4x384, 1x256:4096")] == ["d1x256", "d4x384", "d1x256-k4096"]
+    for bad in ("2", "2x100", "0x64", "2x64,2x64", "1x64:1", "1x64:"):
         with pytest.raises(ValueError):
             parse_sizes(bad)
 

@@ -6,6 +6,7 @@ Converts the packaged GGUF once into $SPIN_BATCH_CACHE (about 20 s the first tim
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,56 @@ def test_embedded_greedy_speculative_equals_autoregressive(tmp_path, engines, sl
     assert all(t.strip() for t in ar.values())
     for selector in ("fixed:ngram", "fixed:exit8"):
         assert texts(tmp_path, selector.replace(":", "-"), selector, slots, engines) == ar, selector
+
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED = REPO / "examples" / "drafts" / "smollm2-135m"
+
+
+def shipped_drafts() -> list[Path]:
+    return sorted(p for p in SHIPPED.iterdir() if (p / "config.json").exists()) if SHIPPED.exists() else []
+
+
+def test_demo_job_validates_with_the_shipped_drafts(monkeypatch):
+    """jobs/demo.yaml names the distilled family; the pairing and tokenizer checks pass."""
+    from spin_batch.config import load_job
+    from spin_batch.runner import validate_job
+
+    monkeypatch.chdir(REPO)
+    job = load_job("jobs/demo.yaml")
+    models = [d.model for d in job.drafters if d.kind == "model"]
+    assert len(models) >= 3 and {Path(m).name for m in models} <= {p.name for p in shipped_drafts()}
+    assert validate_job(job) == []
+
+
+def test_shipped_drafts_stay_lossless(tmp_path):
+    """Greedy output with each shipped draft, and with the bandit over all of them, equals autoregressive."""
+    from spin_batch.engine.policy import make_policy
+    from spin_batch.io.writer import read_outputs
+    from tests.conftest import write_jsonl
+
+    drafts = shipped_drafts()
+    assert len(drafts) >= 3
+    shard = write_jsonl(tmp_path / "in.jsonl", PROMPTS)
+    raw = {
+        "input": {"paths": [str(shard)]},
+        "drafters": [{"name": "ngram", "kind": "ngram"}] + [{"name": p.name, "kind": "model", "model": str(p)}
+                                                           for p in drafts],
+        "spin": {"selector": "none"},
+        "batch": {"slots": 4, "max_model_len": 256},
+        "sampling": {"max_tokens": 32},
+    }
+    engine = None
+    out = {}
+    for selector in ["none", "ucb"] + [f"fixed:{p.name}" for p in drafts]:
+        j = parse_job({**raw, "output": {"dir": str(tmp_path / selector.replace(":", "-"))}},
+                      [f"spin.selector={selector}"])
+        engine = engine or build_engine(j)
+        engine.loop.policy = make_policy(j.spin.selector, list(engine.loop.drafters), j.spin.num_speculative_tokens)
+        summary = run_job(j, progress=False, engine=engine).summary
+        df = read_outputs(j.output.dir)
+        out[selector] = dict(zip(df["id"].to_list(), df["text"].to_list()))
+        if selector.startswith("fixed:"):
+            stats = summary["drafters"][selector.split(":", 1)[1]]
+            assert stats["accepted_draft_tokens"] > 0.2 * stats["draft_tokens"], selector  # it really drafts well
+        assert out[selector] == out["none"], selector

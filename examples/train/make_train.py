@@ -465,7 +465,7 @@ def build(n: int, seed: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=1000, help="number of prompts (default 1000)")
+    ap.add_argument("--n", type=int, default=1600, help="number of prompts (default 1600)")
     ap.add_argument("--seed", type=int, default=20240611, help="random seed")
     ap.add_argument("--out", type=Path, default=HERE / "train-00.jsonl")
     args = ap.parse_args()

@@ -11,8 +11,10 @@ DIR/report.json and DIR/report.md hold the measurements.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,8 +50,11 @@ class DistillSettings:
 
 
 def teacher_key(s: DistillSettings, prompts: tuple[str, ...], fp: str) -> str:
-    """What the cached teacher data depends on: a rerun with the same key reuses it."""
-    return data_key(DATA_VERSION, fp, sorted(prompts), s.max_tokens, s.topk)
+    """What the cached teacher data depends on (prompt files by content): a rerun with the same key reuses it."""
+    from ..io.reader import list_shards
+
+    contents = [(str(f), hashlib.sha256(f.read_bytes()).hexdigest()) for f in list_shards(list(prompts))]
+    return data_key(DATA_VERSION, fp, contents, s.max_tokens, s.topk, s.train.seed)
 
 
 def _teacher(s: DistillSettings, name: str, prompts: tuple[str, ...], target, tokenizer, fp: str,
@@ -62,9 +67,14 @@ def _teacher(s: DistillSettings, name: str, prompts: tuple[str, ...], target, to
     data = TeacherData.load(cache_file, key)
     if data is not None:
         return data
-    job = generation_job(s.target, list(prompts), s.out / "data" / name, s.max_tokens, s.slots, s.train.seed,
-                         s.device)
-    run_job(job, progress=progress, shard_index=0, num_shards=1)
+    gen_dir = s.out / "data" / name
+    key_file = gen_dir / "teacher-key"
+    if gen_dir.exists() and (not key_file.exists() or key_file.read_text() != key):
+        shutil.rmtree(gen_dir)  # completions of other prompts or settings: a resume would mix them up
+    gen_dir.mkdir(parents=True, exist_ok=True)
+    key_file.write_text(key)
+    job = generation_job(s.target, list(prompts), gen_dir, s.max_tokens, s.slots, s.train.seed, s.device)
+    run_job(job, progress=progress, shard_index=0, num_shards=1)  # resumes a killed generation
     target_dir = loader.resolve_model_dir(s.target)
     eos = sorted(eos_ids(target_dir, tokenizer))
     seqs, plens, kinds = sequences(job, Path(job.output.dir), tokenizer, make_encoder(tokenizer, job),
@@ -95,18 +105,23 @@ def run_distill(s: DistillSettings, progress: bool = True) -> dict:
     data_s = time.perf_counter() - t0
 
     always = sorted(eos_ids(target_dir, tokenizer))
-    vocab_ids = choose_vocab(train_data, s.vocab, target.spec.vocab_size, always, s.train.prompt_weight)
-    coverage = _coverage(held or train_data, vocab_ids, target.spec.vocab_size)
+    ranked = choose_vocab(train_data, max([s.vocab] + [a.vocab or 0 for a in s.sizes]), target.spec.vocab_size,
+                          always)  # most teacher mass first: every draft keeps a prefix
+    coverage: dict[str, float] = {}
 
     target_ms = {n: step_time(target, n) * 1e3 for n in s.cost_slots}
     drafts = []
     for arch in s.sizes:
+        vocab_ids = torch.sort(ranked[: arch.vocab or s.vocab]).values
+        coverage[str(len(vocab_ids))] = _coverage(held or train_data, vocab_ids, target.spec.vocab_size)
         net, info = train_draft(arch, train_data, target, vocab_ids, s.train, device, progress)
         net.round_to(loader.DTYPES[s.save_dtype])  # measure exactly what is saved
         row: dict = {"name": arch.name, "arch": asdict(arch), "params": sum(p.numel() for p in net.parameters()),
-                     **info}
+                     "vocab_subset": len(vocab_ids), "heldout_coverage": coverage[str(len(vocab_ids))], **info}
         if held is not None:
             row["heldout_agreement"] = agreement(net, held, device)
+            if net.reads_features:
+                row["heldout_agreement_step2"] = agreement(net, held, device, depth=2)
         out_dir = s.out / arch.name
         save_draft(net, out_dir, target_dir, fp, {"trained": row}, loader.DTYPES[s.save_dtype])
         model = load_draft(out_dir, target, torch.float32, device)
@@ -123,7 +138,6 @@ def run_distill(s: DistillSettings, progress: bool = True) -> dict:
         "train_sequences": len(train_data),
         "train_tokens": train_data.num_tokens(),
         "heldout_sequences": len(held) if held is not None else 0,
-        "vocab_subset": int(vocab_ids.shape[0]),
         "heldout_coverage": coverage,
         "target_step_ms": {str(n): round(v, 3) for n, v in target_ms.items()},
         "data_s": round(data_s, 1),
@@ -160,20 +174,25 @@ def _write_config_info(out_dir: Path, row: dict) -> None:
 def report_markdown(r: dict) -> str:
     slots = list(r["target_step_ms"])
     kinds = sorted({k for d in r["drafts"] for k in d.get("heldout_agreement", {}) if k != "all"})
-    head = ["draft", "params", *[f"cost @{n} slot{'s' if n != '1' else ''}" for n in slots], "agreement", *kinds]
+    head = ["draft", "params", "head ids (coverage)", *[f"cost @{n} slot{'s' if n != '1' else ''}" for n in slots],
+            "agreement", "agreement, 2nd token", *kinds]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    nan = float("nan")
     for d in r["drafts"]:
         agr = d.get("heldout_agreement", {})
-        cells = [d["name"], f"{d['params'] / 1e6:.2f}M",
+        cells = [d["name"], f"{d['params'] / 1e6:.2f}M", f"{d['vocab_subset']} ({d['heldout_coverage']:.1%})",
                  *[f"{d['cost_vs_target_step'][n]:.3f} ({d['cost_ms'][n]:.2f} ms)" for n in slots],
-                 f"{agr.get('all', float('nan')):.3f}", *[f"{agr.get(k, float('nan')):.2f}" for k in kinds]]
+                 f"{agr.get('all', nan):.3f}", f"{d.get('heldout_agreement_step2', {}).get('all', nan):.3f}",
+                 *[f"{agr.get(k, nan):.2f}" for k in kinds]]
         lines.append("| " + " | ".join(cells) + " |")
     target = ", ".join(f"{v:.2f} ms at {n} slot(s)" for n, v in r["target_step_ms"].items())
     return (f"# Distilled drafts for {r['target']}\n\n"
             f"Trained on {r['train_sequences']} sequences ({r['train_tokens']} tokens); held-out: "
-            f"{r['heldout_sequences']} sequences. Output head: {r['vocab_subset']} target ids, covering "
-            f"{r['heldout_coverage']:.1%} of the target's held-out next tokens. Target step: {target}. "
-            f"Total time {r['total_s'] / 60:.1f} min.\n\n"
+            f"{r['heldout_sequences']} sequences. Target decode step: {target}. Teacher data "
+            f"{r['data_s'] / 60:.1f} min, total {r['total_s'] / 60:.1f} min.\n\n"
             "Cost: one drafted token (one decode step of the draft) relative to one target decode step at the "
-            "same slot count. Agreement: teacher-forced top-1 agreement with the target over held-out "
-            "completion positions.\n\n" + "\n".join(lines) + "\n")
+            "same slot count. Coverage: the share of the target's held-out next tokens inside the draft's head. "
+            "Agreement: teacher-forced top-1 agreement with the target over held-out completion positions, by "
+            "prompt kind; a feature-reading draft reads the target's features there (its first draft token). "
+            "2nd token: the same when it reads its own predicted feature, as it does from its second draft "
+            "token on.\n\n" + "\n".join(lines) + "\n")

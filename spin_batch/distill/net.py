@@ -30,18 +30,25 @@ class DraftArch:
     heads: int
     kv_heads: int
     intermediate: int
+    vocab: int | None = None  # target ids in the head; None: the distill default
 
     @property
     def name(self) -> str:
-        return f"d{self.layers}x{self.hidden}"
+        return f"d{self.layers}x{self.hidden}" + (f"-k{self.vocab}" if self.vocab else "")
 
     @classmethod
     def parse(cls, text: str) -> "DraftArch":
-        """'LxW' (layers x width), e.g. '2x384': heads of 64, about 3 query heads per KV head, MLP 8/3 W."""
-        m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", text)
+        """'LxW[:K]' (layers x width, optionally the head's vocabulary size), e.g. '2x384' or '1x192:2048'.
+
+        Heads of 64, about 3 query heads per KV head, MLP 8/3 W.
+        """
+        m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*(?::\s*(\d+)\s*)?", text)
         if not m:
-            raise ValueError(f"draft size {text!r} is not LAYERSxWIDTH, e.g. 2x384")
+            raise ValueError(f"draft size {text!r} is not LAYERSxWIDTH[:VOCAB], e.g. 2x384 or 1x192:2048")
         layers, width = int(m.group(1)), int(m.group(2))
+        vocab = int(m.group(3)) if m.group(3) else None
+        if vocab is not None and vocab < 2:
+            raise ValueError(f"draft size {text!r}: the head needs at least 2 ids")
         if not 1 <= layers <= 32:
             raise ValueError(f"draft size {text!r}: layers must be 1..32")
         if width % HEAD_DIM or not HEAD_DIM <= width <= 4096:
@@ -49,13 +56,14 @@ class DraftArch:
         heads = width // HEAD_DIM
         kv = max(d for d in range(1, heads + 1) if heads % d == 0 and d <= max(1, heads // 3))
         inter = -(-width * 8 // 3 // 64) * 64
-        return cls(layers, width, heads, kv, inter)
+        return cls(layers, width, heads, kv, inter, vocab)
 
 
 def parse_sizes(text: str) -> list[DraftArch]:
     archs = [DraftArch.parse(part) for part in text.split(",") if part.strip()]
     if not archs:
         raise ValueError("no draft sizes given")
+    # Two sizes that differ only in vocabulary get distinct names; the same name twice is a repeat.
     if len({a.name for a in archs}) != len(archs):
         raise ValueError(f"draft sizes repeat: {text}")
     return archs

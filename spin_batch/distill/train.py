@@ -28,14 +28,17 @@ class TrainSettings:
     steps: int | None = None  # overrides epochs
     batch_tokens: int = 4096  # padded tokens per optimizer step
     lr: float = 2e-3
-    prompt_weight: float = 0.1
+    prompt_weight: float = 1.0
     seed: int = 0
     features: bool = True  # the drafts read the target's last hidden state (EAGLE-style)
     feature_weight: float = 1.0  # weight of the feature regression loss
+    unroll: bool = True  # also train the second draft step, on the draft's own predicted features
 
 
-def choose_vocab(data: TeacherData, size: int, vocab_size: int, always: list[int], prompt_weight: float) -> torch.Tensor:
-    """The `size` target ids with the most teacher probability mass (completion positions count fully)."""
+def choose_vocab(data: TeacherData, size: int, vocab_size: int, always: list[int],
+                 prompt_weight: float = 0.1) -> torch.Tensor:
+    """The `size` target ids with the most teacher probability mass, most first (completion positions
+    count fully: drafts only draft inside completions)."""
     mass = torch.zeros(vocab_size, dtype=torch.float64)
     for ids, logp, plen in zip(data.top_ids, data.top_logp, data.prompt_lens):
         w = torch.full((ids.shape[0], 1), prompt_weight, dtype=torch.float64)
@@ -44,8 +47,7 @@ def choose_vocab(data: TeacherData, size: int, vocab_size: int, always: list[int
     for t in always:
         mass[t] = math.inf
     order = torch.sort(-mass, stable=True).indices.tolist()  # most mass first; ties by id
-    keep = [i for i in order[:size] if mass[i] > 0]
-    return torch.tensor(sorted(keep), dtype=torch.long)
+    return torch.tensor([i for i in order[:size] if mass[i] > 0], dtype=torch.long)  # ranked, not sorted
 
 
 def _batches(data: TeacherData, batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
@@ -112,15 +114,36 @@ def collate(data: TeacherData, idx: list[int], lookup: torch.Tensor, prompt_weig
     return Batch(x.to(device), to(f_in), tid.clamp_min(0).to(device), tp.to(device), w_ce.to(device), to(g))
 
 
-def distill_loss(net: DraftNet, b: Batch, feature_weight: float) -> torch.Tensor:
-    logits, g = net(b.x, b.feats)
+def _ce(logits: torch.Tensor, b: Batch, w: torch.Tensor) -> torch.Tensor:
     logq = torch.log_softmax(logits.float(), dim=-1)  # [B, T, K]
     ce = -(b.tp * logq.gather(-1, b.tid)).sum(-1)  # [B, T]
-    loss = (ce * b.w).sum() / b.w.sum().clamp_min(1e-9)
-    if g is not None and feature_weight:
-        reg = F.smooth_l1_loss(g, b.g, reduction="none").mean(-1)  # [B, T]
-        mask = (b.w > 0).float()
-        loss = loss + feature_weight * (reg * mask).sum() / mask.sum().clamp_min(1)
+    return (ce * w).sum() / w.sum().clamp_min(1e-9)
+
+
+def _reg(g: torch.Tensor, b: Batch, w: torch.Tensor) -> torch.Tensor:
+    mask = (w > 0).float()
+    reg = F.smooth_l1_loss(g, b.g, reduction="none").mean(-1)  # [B, T]
+    return (reg * mask).sum() / mask.sum().clamp_min(1)
+
+
+def second_step_features(b: Batch, g: torch.Tensor) -> torch.Tensor:
+    """Inputs for a second drafting step: row r reads the draft's predicted feature of row r - 1."""
+    return torch.cat((b.feats[:, :1], g[:, :-1]), dim=1)
+
+
+def distill_loss(net: DraftNet, b: Batch, feature_weight: float, unroll: bool) -> torch.Tensor:
+    """CE against the teacher; for a feature draft, plus the feature regression, and (unroll) the same
+    again with the draft reading its own predicted features, as it does from its second draft token on."""
+    logits, g = net(b.x, b.feats)
+    loss = _ce(logits, b, b.w)
+    if g is None:
+        return loss
+    loss = loss + feature_weight * _reg(g, b, b.w)
+    if unroll:
+        w2 = b.w.clone()
+        w2[:, 0] = 0  # row 0 has no predicted feature to read
+        logits2, g2 = net(b.x, second_step_features(b, g))
+        loss = loss + _ce(logits2, b, w2) + feature_weight * _reg(g2, b, w2)
     return loss
 
 
@@ -157,7 +180,7 @@ def train_draft(arch: DraftArch, data: TeacherData, target: LlamaModel, vocab_id
         batch = collate(data, queue.pop(), lookup, settings.prompt_weight, device, settings.features)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        loss = distill_loss(net, batch, settings.feature_weight)
+        loss = distill_loss(net, batch, settings.feature_weight, settings.unroll)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -170,22 +193,25 @@ def train_draft(arch: DraftArch, data: TeacherData, target: LlamaModel, vocab_id
     info = {"steps": steps, "steps_per_epoch": per_epoch, "train_s": round(time.perf_counter() - t0, 1),
             "final_loss": round(statistics.fmean(losses[-20:]), 4), "lr": settings.lr, "seed": settings.seed,
             "batch_tokens": settings.batch_tokens, "train_tokens": data.num_tokens(),
-            "reads_target_features": settings.features}
+            "reads_target_features": settings.features, "unroll": settings.unroll and settings.features}
     return net, info
 
 
 @torch.inference_mode()
-def agreement(net: DraftNet, data: TeacherData, device: torch.device) -> dict[str, float]:
+def agreement(net: DraftNet, data: TeacherData, device: torch.device, depth: int = 1) -> dict[str, float]:
     """Teacher-forced top-1 agreement with the target over completion positions, overall and by kind.
 
-    A feature draft reads the target's true features here: this is its first-token agreement.
+    depth 1: a feature draft reads the target's features (its first draft token); depth 2: it
+    reads its own prediction of the previous feature (its second draft token).
     """
     hits: dict[str, list[int]] = {}
     lookup = torch.full((int(net.embed.shape[0]),), -1, dtype=torch.long)
     lookup[net.vocab_ids] = torch.arange(net.vocab_ids.shape[0])
     for i in range(len(data)):
         b = collate(data, [i], lookup, 0.0, device, net.reads_features)
-        logits, _ = net(b.x, b.feats)
+        logits, g = net(b.x, b.feats)
+        if depth == 2 and g is not None:
+            logits, _ = net(b.x, second_step_features(b, g))
         pred = net.vocab_ids[logits[0].argmax(-1)].cpu()
         o = 1 if net.reads_features else 0
         want = data.top_ids[i][o : len(data.tokens[i]) - 1, 0].long()
