@@ -16,6 +16,8 @@ def _load(job_path: str, overrides: tuple[str, ...]):
         raise click.ClickException(str(e)) from None
 
 
+DEFAULT_SIZES = "1x192:2048,1x384:4096,2x384"  # the shipped family for the embedded model
+
 set_option = click.option(
     "--set", "overrides", multiple=True, metavar="KEY=VALUE",
     help="Override a job key, e.g. --set batch.slots=16 (repeatable).",
@@ -144,14 +146,15 @@ def report(out_dir, png):
               help="Training prompts: files, globs or dirs of JSONL/Parquet (repeatable).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Where the drafts (one directory per size), data and report go.")
-@click.option("--sizes", default="1x256,2x384,4x384", show_default=True,
-              help="Comma-separated draft sizes, LAYERSxWIDTH.")
+@click.option("--sizes", default=DEFAULT_SIZES, show_default=True,
+              help="Comma-separated draft sizes, LAYERSxWIDTH[:HEAD_IDS].")
 @click.option("--heldout", multiple=True, help="Held-out prompts for the agreement figures (repeatable).")
 @click.option("--steps", type=int, default=None, help="Optimizer steps per draft (default: from --epochs).")
-@click.option("--epochs", type=float, default=3.0, show_default=True, help="Passes over the data per draft.")
-@click.option("--lr", type=float, default=2e-3, show_default=True)
-@click.option("--batch-tokens", type=int, default=4096, show_default=True, help="Padded tokens per step.")
-@click.option("--vocab", type=int, default=8192, show_default=True, help="Target ids kept in the drafts' head.")
+@click.option("--epochs", type=float, default=4.0, show_default=True, help="Passes over the data per draft.")
+@click.option("--lr", type=float, default=3e-3, show_default=True)
+@click.option("--batch-tokens", type=int, default=2048, show_default=True, help="Padded tokens per step.")
+@click.option("--vocab", type=int, default=8192, show_default=True,
+              help="Target ids kept in a draft's head, unless its size says (LxW:K).")
 @click.option("--topk", type=int, default=16, show_default=True, help="Teacher log-probs kept per position.")
 @click.option("--max-tokens", type=int, default=128, show_default=True, help="Completion length when generating.")
 @click.option("--slots", type=int, default=16, show_default=True, help="Batch slots when generating.")

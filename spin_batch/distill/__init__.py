@@ -28,7 +28,6 @@ from .data import TeacherData, data_key, generation_job, score, sequences
 from .net import DraftArch, save_draft
 from .train import TrainSettings, agreement, choose_vocab, step_time, train_draft
 
-DEFAULT_SIZES = "1x256,2x384,4x384"
 DATA_VERSION = 2  # bump when the cached teacher data changes form
 
 

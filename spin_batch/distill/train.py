@@ -24,10 +24,10 @@ from .net import DraftArch, DraftNet
 
 @dataclass(frozen=True)
 class TrainSettings:
-    epochs: float = 3.0
+    epochs: float = 4.0
     steps: int | None = None  # overrides epochs
-    batch_tokens: int = 4096  # padded tokens per optimizer step
-    lr: float = 2e-3
+    batch_tokens: int = 2048  # padded tokens per optimizer step
+    lr: float = 3e-3
     prompt_weight: float = 1.0
     seed: int = 0
     features: bool = True  # the drafts read the target's last hidden state (EAGLE-style)
