@@ -1,8 +1,9 @@
 """SPIN selection: a per-request bandit over heterogeneous drafters, with adaptive gamma.
 
 Each request keeps, per drafter, a Beta posterior over the drafter's per-token acceptance
-rate a. Acceptance is modelled as geometric: a verify that drafted g tokens and accepted k
-is k successes plus one failure when k < g. The expected tokens a step gains with gamma g is
+rate a. Acceptance is modelled as geometric: a verify that asked for g tokens and accepted k
+is k successes plus one failure when k < g (a token the drafter did not propose counts as
+a failure). The expected tokens a step gains with gamma g is
 E(g, a) = (1 - a^(g + 1)) / (1 - a) (accepted drafts plus the recovered or bonus token).
 
 Cost comes from an online model of measured stage times at the current batch size
@@ -234,9 +235,13 @@ class BanditPolicy(Policy):
         if gained and decode_s > 0:
             self.cost.goodput.update(gained / decode_s)
         for o in outcomes:
-            if o.choice.drafter is None or o.drafted == 0:
+            if o.choice.drafter is None or o.choice.gamma == 0:
                 continue
+            # Judged against what was asked: a drafter that proposes fewer tokens than gamma (an
+            # n-gram drafter with no match proposes none) stops the chain there, like a rejection.
+            # Counting only proposed tokens would rate a drafter that rarely proposes as if it
+            # always did.
             req = self.requests.get(o.slot)
             if req is not None:
-                req.arms[o.choice.drafter].observe(o.drafted, o.accepted)
-            self.pooled[o.choice.drafter].observe(o.drafted, o.accepted)
+                req.arms[o.choice.drafter].observe(o.choice.gamma, o.accepted)
+            self.pooled[o.choice.drafter].observe(o.choice.gamma, o.accepted)
