@@ -24,7 +24,7 @@ from .net import DraftArch, DraftNet
 
 @dataclass(frozen=True)
 class TrainSettings:
-    epochs: float = 4.0
+    epochs: float = 8.0
     steps: int | None = None  # overrides epochs
     batch_tokens: int = 2048  # padded tokens per optimizer step
     lr: float = 3e-3
