@@ -35,10 +35,6 @@ class TeacherData:
     kinds: list[str] = field(default_factory=list)  # the input's `kind` column, or "all"
     features: list[torch.Tensor] = field(default_factory=list)  # [n, E] float16: normalised last hidden state
 
-    def subset(self, idx: list[int]) -> "TeacherData":
-        return TeacherData(*([getattr(self, f)[i] for i in idx] if getattr(self, f) else []
-                             for f in ("tokens", "prompt_lens", "top_ids", "top_logp", "kinds", "features")))
-
     def __len__(self) -> int:
         return len(self.tokens)
 

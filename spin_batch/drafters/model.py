@@ -41,28 +41,43 @@ class ModelDrafter(Drafter):
         """First token position this proposal must feed."""
         return self.lens[r.slot]
 
+    @torch.inference_mode()
     def propose(self, reqs: list[DraftRequest], sp: SamplingParams) -> Proposal:
         drafts: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        # Round 0 feeds each slot's unseen committed tokens; later rounds feed the last draft token.
-        feeds = [r.tokens[self._start(r):] for r in reqs]
-        starts = [len(r.tokens) - len(f) for r, f in zip(reqs, feeds)]
+        # Round 0 feeds what each slot's cache has not seen; later rounds feed the last draft token.
+        starts, feeds, extras = self._catch_up(reqs)
         live = list(range(len(reqs)))
         while live:
             seg = Segments.build([(reqs[i].slot, len(feeds[i]), starts[i]) for i in live], self.model.device)
             flat = torch.tensor([t for i in live for t in feeds[i]], dtype=torch.long, device=self.model.device)
-            logits = self.model.forward(flat, seg, self.cache, seg.last_rows(), self.num_layers)  # [len(live), V]
+            logits, nxt = self._step(flat, seg, None if extras is None else torch.cat([extras[i] for i in live]))
             picks = self._pick(logits, [reqs[i] for i in live], sp, [qs[i] for i in live])
             still = []
             for j, i in enumerate(live):
-                self.lens[reqs[i].slot] = starts[i] + len(feeds[i])
+                self._seen(reqs[i], starts[i] + len(feeds[i]), first=not drafts[i])
                 drafts[i].append(picks[j])
                 if len(drafts[i]) < reqs[i].gamma:
                     starts[i] += len(feeds[i])
                     feeds[i] = [picks[j]]
+                    if extras is not None:
+                        extras[i] = nxt[j : j + 1]
                     still.append(i)
             live = still
         return Proposal(drafts, [None if sp.greedy else torch.stack(q) for q in qs])
+
+    def _catch_up(self, reqs: list[DraftRequest]) -> tuple[list[int], list[list[int]], list[torch.Tensor] | None]:
+        """Per request: the first cache position to write, the tokens to feed there, and extra inputs."""
+        starts = [self._start(r) for r in reqs]
+        return starts, [r.tokens[s:] for r, s in zip(reqs, starts)], None
+
+    def _step(self, flat: torch.Tensor, seg: Segments, extra: torch.Tensor | None):
+        """One draft forward: logits at each segment's last row, and the next round's extra inputs."""
+        return self.model.forward(flat, seg, self.cache, seg.last_rows(), self.num_layers), None
+
+    def _seen(self, req: DraftRequest, end: int, first: bool) -> None:
+        """The cache now holds this slot's tokens up to `end` (drafts included; on_commit trims them)."""
+        self.lens[req.slot] = end
 
     def _pick(self, logits: torch.Tensor, reqs: list[DraftRequest], sp: SamplingParams,
               qs: list[list[torch.Tensor]]) -> list[int]:
@@ -105,29 +120,17 @@ class FeatureDrafter(ModelDrafter):
     def on_commit(self, slot: int, tokens: list[int]) -> None:
         """Nothing to roll back: the cache counts only pairs whose feature came from the target."""
 
-    @torch.inference_mode()
-    def propose(self, reqs: list[DraftRequest], sp: SamplingParams) -> Proposal:
-        drafts: list[list[int]] = [[] for _ in reqs]
-        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        dtype = self.model.dtype
+    def _catch_up(self, reqs: list[DraftRequest]) -> tuple[list[int], list[list[int]], list[torch.Tensor]]:
+        """Pairs (token p + 1, target feature p) for the positions p verified since the last proposal."""
         starts = [self.lens[r.slot] for r in reqs]
-        feeds = [r.tokens[s + 1:] for r, s in zip(reqs, starts)]  # token p + 1 for p in [seen, n - 1)
-        gs = [self.features.g[r.slot, s : len(r.tokens) - 1].to(dtype) for r, s in zip(reqs, starts)]
-        live = list(range(len(reqs)))
-        while live:
-            seg = Segments.build([(reqs[i].slot, len(feeds[i]), starts[i]) for i in live], self.model.device)
-            flat = torch.tensor([t for i in live for t in feeds[i]], dtype=torch.long, device=self.model.device)
-            h = self.model.hidden(flat, seg, self.cache, extra=torch.cat([gs[i] for i in live]))
-            logits, g = self.head(self.model.norm, h[seg.last_rows()])
-            picks = self._pick(logits, [reqs[i] for i in live], sp, [qs[i] for i in live])
-            still = []
-            for j, i in enumerate(live):
-                if not drafts[i]:
-                    self.lens[reqs[i].slot] = len(reqs[i].tokens) - 1  # every verified pair is in the cache
-                drafts[i].append(picks[j])
-                if len(drafts[i]) < reqs[i].gamma:
-                    starts[i] += len(feeds[i])
-                    feeds[i], gs[i] = [picks[j]], g[j : j + 1]
-                    still.append(i)
-            live = still
-        return Proposal(drafts, [None if sp.greedy else torch.stack(q) for q in qs])
+        feeds = [r.tokens[s + 1:] for r, s in zip(reqs, starts)]
+        gs = [self.features.g[r.slot, s : len(r.tokens) - 1].to(self.model.dtype) for r, s in zip(reqs, starts)]
+        return starts, feeds, gs
+
+    def _step(self, flat: torch.Tensor, seg: Segments, extra: torch.Tensor | None):
+        h = self.model.hidden(flat, seg, self.cache, extra=extra)
+        return self.head(self.model.norm, h[seg.last_rows()])  # logits, predicted features
+
+    def _seen(self, req: DraftRequest, end: int, first: bool) -> None:
+        if first:  # only pairs with the target's own features count: positions < len(tokens) - 1
+            self.lens[req.slot] = len(req.tokens) - 1
