@@ -189,7 +189,7 @@ def test_kv_write_matches_ref(KV, D, dtype):
     kv_write_ref(ref.k[1], ref.v[1], seg.token_slots, positions, k, v)
     assert torch.equal(cache.k, ref.k) and torch.equal(cache.v, ref.v)
     # and the same as KVCache.write
-    ref.write(0, seg.token_slots, seg.positions, k, v)
+    ref.write(0, ref.rows(seg.token_slots, seg.positions), k, v)
     kv_write(cache.k[0], cache.v[0], seg.token_slots, seg.positions, k, v)
     assert torch.equal(cache.k, ref.k) and torch.equal(cache.v, ref.v)
 

@@ -43,15 +43,21 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
+    def rows(self, token_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[N * kv_heads] flat row of each (token, kv head) in one layer's cache viewed as
+        [slots * kv_heads * max_len, head_dim]; computed once per forward, used by every layer."""
+        kv_heads, max_len = self.k.shape[2], self.k.shape[3]
+        heads = torch.arange(kv_heads, device=token_slots.device)
+        return ((token_slots[:, None] * kv_heads + heads) * max_len + positions[:, None]).view(-1)
+
     def write(
         self,
         layer: int,
-        token_slots: torch.Tensor,  # [N] long
-        positions: torch.Tensor,  # [N] long
+        rows: torch.Tensor,  # [N * kv_heads] long, from rows()
         k: torch.Tensor,  # [N, kv_heads, head_dim]
         v: torch.Tensor,  # [N, kv_heads, head_dim]
     ) -> None:
         """Scatter new K/V rows into the cache at (slot, position)."""
-        # Advanced indices separated by a slice put the index dimension first: [N, kv_heads, head_dim].
-        self.k[layer][token_slots, :, positions] = k
-        self.v[layer][token_slots, :, positions] = v
+        d = self.k.shape[-1]
+        self.k[layer].view(-1, d).index_copy_(0, rows, k.reshape(-1, d))
+        self.v[layer].view(-1, d).index_copy_(0, rows, v.reshape(-1, d))

@@ -206,14 +206,18 @@ SHORT_SEGMENT = 16
 
 
 class _SameLengthGroup:
-    """Short segments that all feed n new tokens: one batched matmul-softmax-matmul.
+    """Short segments that all feed n new tokens: one batched attention call.
 
-    Queries need no padding (all have n rows); keys are the slots' first `ctx` cache rows, with
-    an additive mask that hides keys past each query's own position (so also another slot's
-    longer context).
+    Queries need no padding (all have n rows). Each KV head's G query heads are folded into
+    its query rows ([S, KV, G * n, D]), so the call is plain multi-head attention over the
+    cache's KV heads: no grouped-query expansion, which on CPU costs more than the attention
+    itself at decode sizes. Keys are the slots' first `ctx` cache rows, with an additive mask
+    that hides keys past each query's own position (so also another slot's longer context); a
+    lone decode token (one segment, n = 1) sees exactly its slot's keys and needs no mask.
     """
 
-    def __init__(self, seg: Segments, members: list[int], dtype: torch.dtype, device: torch.device):
+    def __init__(self, seg: Segments, members: list[int], groups: int, dtype: torch.dtype,
+                 device: torch.device):
         n = seg.starts[members[0] + 1] - seg.starts[members[0]]
         slots = [seg.slots[i] for i in members]
         starts = [seg.starts[i] for i in members]
@@ -231,11 +235,13 @@ class _SameLengthGroup:
             slice(starts[0], starts[0] + len(members) * n) if contiguous
             else (torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)).view(-1)
         )  # [count * n] flat rows of the group's queries
-        # Query j of a segment sits at position cache_len + j and sees keys at <= that position.
-        qpos = torch.tensor(ctxs, device=device)[:, None] + torch.arange(n, device=device)  # [count, n]
-        visible = torch.arange(self.ctx, device=device) <= qpos[..., None]  # [count, n, ctx]
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-        self.mask = mask[:, None, None]  # [count, 1, 1, n, ctx], broadcast over KV heads and groups
+        self.mask = None
+        if n > 1 or len(members) > 1:
+            # Query j of a segment sits at position cache_len + j and sees keys at <= that position.
+            qpos = torch.tensor(ctxs, device=device)[:, None] + torch.arange(n, device=device)  # [count, n]
+            visible = torch.arange(self.ctx, device=device) <= qpos[..., None]  # [count, n, ctx]
+            mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+            self.mask = mask.repeat(1, groups, 1)[:, None]  # [count, 1, G * n, ctx]: row g * n + j is query j
 
     def attend(self, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, out: torch.Tensor) -> None:
         """Writes the group's rows of out [N, H, D]. Query head h reads KV head h // G."""
@@ -245,16 +251,14 @@ class _SameLengthGroup:
         qs = q[self.rows].view(S, n, KV, G, D).permute(0, 2, 3, 1, 4).reshape(S, KV, G * n, D)
         k = cache_k[self.slots, :, : self.ctx]  # [S, KV, ctx, D]
         v = cache_v[self.slots, :, : self.ctx]
-        scores = torch.matmul(qs * D**-0.5, k.transpose(-1, -2))  # [S, KV, G * n, ctx]
-        scores.view(S, KV, G, n, self.ctx).add_(self.mask)
-        o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [S, KV, G * n, D]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=self.mask)  # [S, KV, G * n, D]
         out[self.rows] = o.view(S, KV, G, n, D).permute(0, 3, 1, 2, 4).reshape(S * n, H, D)
 
 
 class AttentionPlan:
     """How one forward's segments are attended; built once per forward, shared by all layers."""
 
-    def __init__(self, seg: Segments, dtype: torch.dtype, device: torch.device):
+    def __init__(self, seg: Segments, groups: int, dtype: torch.dtype, device: torch.device):
         by_len: dict[int, list[int]] = {}
         self.long: list[int] = []
         for i, n in enumerate(seg.lengths()):
@@ -262,7 +266,7 @@ class AttentionPlan:
                 by_len.setdefault(n, []).append(i)
             elif n > SHORT_SEGMENT:
                 self.long.append(i)
-        self.groups = [_SameLengthGroup(seg, members, dtype, device) for members in by_len.values()]
+        self.groups = [_SameLengthGroup(seg, members, groups, dtype, device) for members in by_len.values()]
 
 
 def attention(
@@ -405,7 +409,7 @@ class LlamaModel:
         H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
         cos = self.cos[seg.positions].unsqueeze(1)  # [N, 1, D]
         sin = self.sin_signed[seg.positions].unsqueeze(1)
-        attend = self._kernel_attention(seg) if self.kernels else self._torch_attention(seg)
+        attend = self._kernel_attention(seg) if self.kernels else self._torch_attention(seg, cache)
         h = self.embed[tokens]  # [N, C] (or [N, E], projected to C)
         if extra is not None:
             h = torch.cat((h, extra), dim=-1)
@@ -424,11 +428,13 @@ class LlamaModel:
             h = h + lw.down(F.silu(gate) * up)
         return h
 
-    def _torch_attention(self, seg: Segments):
-        plan = AttentionPlan(seg, self.dtype, self.device)
+    def _torch_attention(self, seg: Segments, cache: KVCache):
+        plan = AttentionPlan(seg, self.spec.num_heads // self.spec.num_kv_heads, self.dtype, self.device)
+
+        rows = cache.rows(seg.token_slots, seg.positions)
 
         def attend(li: int, cache: KVCache, q, k, v) -> torch.Tensor:
-            cache.write(li, seg.token_slots, seg.positions, k, v)
+            cache.write(li, rows, k, v)
             return attention(q, cache.k[li], cache.v[li], seg, plan)
 
         return attend
