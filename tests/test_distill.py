@@ -82,7 +82,7 @@ def test_inference_model_computes_the_training_function(tmp_path, tiny_dir, feat
     for a, b in ((0, 13), (13, 21)):  # a prefill chunk, then a second one on top of the cache
         seg = Segments.build([(0, b - a, a)])
         if features:
-            logits, g = model.feature_head(model.norm, model.hidden(tokens[0, a:b], seg, cache, extra=feats[0, a:b]))
+            logits, g = model.feature_head(model.normed(model.hidden(tokens[0, a:b], seg, cache, extra=feats[0, a:b]), model.norm))
             got_g.append(g)
         else:
             logits = model.forward(tokens[0, a:b], seg, cache)

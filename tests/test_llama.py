@@ -59,6 +59,27 @@ def test_mixed_batch_decode_and_chunks_match_transformers(request, which):
         torch.testing.assert_close(got[seg.starts[i] : seg.starts[i + 1]], want, atol=ATOL, rtol=0)
 
 
+def test_bfloat16_forward_tracks_float32(tiny_dir):
+    """bf16 weights with the float32 residual stream: a packed mixed batch (chunks, then 1/3/5
+    new tokens) stays within bf16 rounding of transformers' float32 logits."""
+    ours = load_model(tiny_dir, dtype="bfloat16")
+    assert ours.dtype == torch.bfloat16 and ours.norm.dtype == torch.float32
+    ref = hf_model(tiny_dir)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, ours.spec.vocab_size, (n,), generator=g).tolist() for n in (9, 17, 4)]
+    cache = ours.allocate_cache(slots=3, max_len=64)
+    prefix = [8, 14, 3]
+    ours.forward(torch.tensor(sum((s[:p] for s, p in zip(seqs, prefix)), [])),
+                 Segments.build([(i, p, 0) for i, p in enumerate(prefix)]), cache, logits_rows=[])
+    seg = Segments.build([(i, len(s) - p, p) for i, (s, p) in enumerate(zip(seqs, prefix))])
+    got = ours.forward(torch.tensor(sum((s[p:] for s, p in zip(seqs, prefix)), [])), seg, cache)
+    assert got.dtype == torch.float32
+    want = torch.cat([hf_logits(ref, s)[p:] for s, p in zip(seqs, prefix)])
+    scale = want.abs().max()
+    assert (got - want).abs().max() < 0.03 * scale, ((got - want).abs().max(), scale)
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.999
+
+
 def test_early_exit_logits_match_truncated_model(tiny_dir):
     """num_layers=L equals the HF model's hidden state after L layers, then final norm + head."""
     ours = load_model(tiny_dir)

@@ -241,7 +241,7 @@ def step_time(model: LlamaModel, slots: int, context: int = 128, reps: int = 15)
             return model.forward(tokens, seg, cache, rows)
         feats = torch.randn(tokens.shape[0], width, generator=g).to(model.device, model.dtype)
         h = model.hidden(tokens, seg, cache, extra=feats)
-        return feature_head(model.norm, h if rows is None else h[rows])[0]
+        return feature_head(model.normed(h if rows is None else h[rows], model.norm))[0]
 
     prompt = torch.randint(0, model.spec.vocab_size, (slots * context,), generator=g).to(model.device)
     step(prompt, Segments.build([(s, context, 0) for s in range(slots)], model.device), [0])

@@ -129,7 +129,7 @@ class FeatureDrafter(ModelDrafter):
 
     def _step(self, flat: torch.Tensor, seg: Segments, extra: torch.Tensor | None):
         h = self.model.hidden(flat, seg, self.cache, extra=extra)
-        return self.head(self.model.norm, h[seg.last_rows()])  # logits, predicted features
+        return self.head(self.model.normed(h[seg.last_rows()], self.model.norm))  # logits, predicted features
 
     def _seen(self, req: DraftRequest, end: int, first: bool) -> None:
         if first:  # only pairs with the target's own features count: positions < len(tokens) - 1

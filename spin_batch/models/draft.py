@@ -105,13 +105,13 @@ def normalize(h: torch.Tensor, eps: float) -> torch.Tensor:
 class FeatureHead:
     """A draft's output side: rms_norm(h) -> predicted target feature g [E] -> logits over the kept ids."""
 
-    def __init__(self, proj: torch.Tensor, head: torch.Tensor, eps: float):
+    def __init__(self, proj: torch.Tensor, head: torch.Tensor):
         self.proj = Linear(proj)  # [E, C]
         self.head = Linear(head)  # [K, E]: target embedding rows of the kept ids times the target's norm weight
-        self.eps = eps
 
-    def __call__(self, norm: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        g = self.proj(torch.nn.functional.rms_norm(h, norm.shape, norm, self.eps))
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the draft's final-normed hidden state (LlamaModel.normed(h, model.norm))."""
+        g = self.proj(x)
         return self.head(g).float(), g
 
 
@@ -143,6 +143,5 @@ def load_draft(draft_dir: Path, target: LlamaModel, dtype: torch.dtype, device: 
                        (head_e @ proj).to(dtype).contiguous(), embed_proj=get("model.embed_proj.weight"),
                        vocab_ids=vocab_ids)
     if meta.get("reads_target_features"):
-        model.feature_head = FeatureHead(proj.to(dtype).contiguous(), head_e.to(dtype).contiguous(),
-                                         spec.rms_norm_eps)
+        model.feature_head = FeatureHead(proj.to(dtype).contiguous(), head_e.to(dtype).contiguous())
     return model

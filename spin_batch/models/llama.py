@@ -243,8 +243,8 @@ class _SameLengthGroup:
             mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
             self.mask = mask.repeat(1, groups, 1)[:, None]  # [count, 1, G * n, ctx]: row g * n + j is query j
 
-    def attend(self, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, out: torch.Tensor) -> None:
-        """Writes the group's rows of out [N, H, D]. Query head h reads KV head h // G."""
+    def attend(self, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+        """The group's rows of the output, [count * n, H, D]. Query head h reads KV head h // G."""
         _, H, D = q.shape
         KV = cache_k.shape[1]
         G, S, n = H // KV, self.count, self.n
@@ -252,7 +252,7 @@ class _SameLengthGroup:
         k = cache_k[self.slots, :, : self.ctx]  # [S, KV, ctx, D]
         v = cache_v[self.slots, :, : self.ctx]
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=self.mask)  # [S, KV, G * n, D]
-        out[self.rows] = o.view(S, KV, G, n, D).permute(0, 3, 1, 2, 4).reshape(S * n, H, D)
+        return o.view(S, KV, G, n, D).permute(0, 3, 1, 2, 4).reshape(S * n, H, D)
 
 
 class AttentionPlan:
@@ -273,9 +273,11 @@ def attention(
     q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, seg: Segments, plan: AttentionPlan
 ) -> torch.Tensor:
     """Packed attention per the plan: a batched call per segment length, a call per long segment."""
+    if not plan.long and len(plan.groups) == 1 and plan.groups[0].rows == slice(0, q.shape[0]):
+        return plan.groups[0].attend(q, cache_k, cache_v)  # every segment feeds the same count (decode)
     out = attention_ref(q, cache_k, cache_v, seg, only=plan.long) if plan.long else torch.empty_like(q)
     for group in plan.groups:
-        group.attend(q, cache_k, cache_v, out)
+        out[group.rows] = group.attend(q, cache_k, cache_v)
     return out
 
 
@@ -298,8 +300,13 @@ class LlamaModel:
         self.embed_proj = None if embed_proj is None else Linear(embed_proj)
         self.vocab_ids = vocab_ids
         self.feature_head = None  # a FeatureHead (models/draft.py) for drafts that read target features
+        # The residual stream and the RMS norms run in float32 whatever the weights' dtype: in
+        # bf16/fp16 that is both more accurate and cheaper on CPU (one cast per norm instead of
+        # a round trip through float32 inside it). In float32 nothing changes.
+        for lw in layers:
+            lw.attn_norm, lw.mlp_norm = lw.attn_norm.float(), lw.mlp_norm.float()
         self.layers = layers
-        self.norm = norm
+        self.norm = norm.float()
         self.lm_head = Linear(lm_head)
         self.dtype = embed.dtype
         self.device = embed.device
@@ -407,6 +414,7 @@ class LlamaModel:
         s = self.spec
         n_tok = tokens.shape[0]
         H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
+        qk_width, inter = (H + KV) * D, s.intermediate_size
         cos = self.cos[seg.positions].unsqueeze(1)  # [N, 1, D]
         sin = self.sin_signed[seg.positions].unsqueeze(1)
         attend = self._kernel_attention(seg) if self.kernels else self._torch_attention(seg, cache)
@@ -415,18 +423,20 @@ class LlamaModel:
             h = torch.cat((h, extra), dim=-1)
         if self.embed_proj is not None:
             h = self.embed_proj(h)
+        h = h.float()  # the residual stream (a no-op in float32)
         for li, lw in enumerate(self.layers[: num_layers or s.num_layers]):
-            x = rms_norm(h, lw.attn_norm, s.rms_norm_eps)
-            qkv = lw.qkv(x)  # [N, (H + 2 KV) * D]
-            qk = apply_rope(qkv[:, : (H + KV) * D].view(n_tok, H + KV, D), cos, sin)  # [N, H + KV, D]
-            q, k = qk[:, :H], qk[:, H:]
-            v = qkv[:, (H + KV) * D :].view(n_tok, KV, D)
-            o = attend(li, cache, q, k, v)  # [N, H, D]
+            qkv = lw.qkv(self.normed(h, lw.attn_norm))  # [N, (H + 2 KV) * D]
+            qk = apply_rope(qkv[:, :qk_width].view(n_tok, H + KV, D), cos, sin)  # [N, H + KV, D]
+            o = attend(li, cache, qk[:, :H], qk[:, H:], qkv[:, qk_width:].view(n_tok, KV, D))  # [N, H, D]
             h = h + lw.o(o.reshape(n_tok, H * D))
-            x = rms_norm(h, lw.mlp_norm, s.rms_norm_eps)
-            gate, up = lw.gate_up(x).chunk(2, dim=-1)  # [N, I] each
-            h = h + lw.down(F.silu(gate) * up)
+            gate_up = lw.gate_up(self.normed(h, lw.mlp_norm))  # [N, 2 I]
+            h = h + lw.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
         return h
+
+    def normed(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """rms_norm of the float32 residual h, in the weights' dtype (the input of a linear)."""
+        x = F.rms_norm(h, weight.shape, weight, self.spec.rms_norm_eps)
+        return x if x.dtype == self.dtype else x.to(self.dtype)
 
     def _torch_attention(self, seg: Segments, cache: KVCache):
         plan = AttentionPlan(seg, self.spec.num_heads // self.spec.num_kv_heads, self.dtype, self.device)
@@ -455,5 +465,5 @@ class LlamaModel:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: [M, C] -> [M, V] float32."""
-        return self.lm_head(rms_norm(h, self.norm, self.spec.rms_norm_eps)).float()
+        return self.lm_head(self.normed(h, self.norm)).float()
 
