@@ -136,20 +136,32 @@ def make_encoder(tokenizer, job: JobConfig) -> Callable[[Request], list[int]]:
     return encode
 
 
+def distilled_draft_dtype(target_dtype: str, device: torch.device) -> str:
+    """A distilled draft's default dtype: bfloat16 where bf16 matmuls are native (CUDA, CPUs with
+    AVX512-BF16/AMX), which halves the weights it streams per draft token; else the target's.
+    A draft's precision never changes the output, only how often its tokens are accepted."""
+    if target_dtype == "float16":
+        return target_dtype
+    fast = device.type == "cuda" or (device.type == "cpu" and torch.backends.mkldnn.is_available()
+                                     and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return "bfloat16" if fast else target_dtype
+
+
 def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: torch.device) -> dict[str, Drafter]:
     drafters: dict[str, Drafter] = {}
     features: TargetFeatures | None = None  # shared by the drafters that read the target's features
+    embeds: dict[torch.dtype, torch.Tensor] = {}  # the target's embedding per draft dtype, shared by drafts
     for d in job.drafters:
         if isinstance(d, EarlyExitDrafterConfig):
             drafters[d.name] = EarlyExitDrafter(d.name, target, target_cache, d.layers)
         elif isinstance(d, ModelDrafterConfig):
             draft_dir = loader.resolve_model_dir(d.model)
-            dtype = d.dtype or job.target.dtype
             meta = draft_meta(draft_dir)
             if meta is not None:  # distilled: reads the target's embeddings (and maybe its features)
-                model = load_draft(draft_dir, target, loader.DTYPES[dtype], device)
+                dtype = d.dtype or distilled_draft_dtype(job.target.dtype, device)
+                model = load_draft(draft_dir, target, loader.DTYPES[dtype], device, embeds)
             else:
-                model = loader.load_model(draft_dir, dtype, device)
+                model = loader.load_model(draft_dir, d.dtype or job.target.dtype, device)
             if model.spec.vocab_size != target.spec.vocab_size:
                 raise ValueError(f"drafter {d.name!r}: vocab size {model.spec.vocab_size} differs from the "
                                  f"target's {target.spec.vocab_size}")

@@ -151,6 +151,28 @@ def test_trained_draft_in_a_job_equals_autoregressive(tmp_path, tiny_distilled, 
         assert drafted["accepted_draft_tokens"] > 0
 
 
+@pytest.mark.parametrize("bf16_fast", [True, False])
+def test_distilled_drafts_default_to_bf16_where_native_and_share_one_embedding(tiny_distilled, tiny_dir,
+                                                                               monkeypatch, bf16_fast):
+    from spin_batch.runner import build_drafters
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16_fast)
+    settings, _ = tiny_distilled
+    job = parse_job({
+        "input": {"paths": ["x.jsonl"]}, "output": {"dir": "o"}, "target": {"model": str(tiny_dir)},
+        "drafters": [{"name": "a", "kind": "model", "model": str(settings.out / "d1x64-k24")},
+                     {"name": "b", "kind": "model", "model": str(settings.out / "d2x64")},
+                     {"name": "c", "kind": "model", "model": str(settings.out / "d2x64"), "dtype": "float32"}],
+    })
+    target = load_model(tiny_dir)
+    drafters = build_drafters(job, target, target.allocate_cache(2, 64), torch.device("cpu"))
+    a, b, c = (drafters[n].model for n in "abc")
+    want = torch.bfloat16 if bf16_fast else torch.float32
+    assert a.dtype == b.dtype == want and c.dtype == torch.float32  # an explicit dtype wins
+    assert a.embed is b.embed  # one cast copy of the target's embedding, not one per draft
+    assert c.embed is target.embed
+
+
 def test_draft_for_another_target_is_rejected_before_loading(tiny_distilled, tiny_dir, tiny_qwen_dir):
     settings, _ = tiny_distilled
     assert check_pairing(settings.out / "d2x64", tiny_dir) is None

@@ -115,11 +115,13 @@ class FeatureHead:
         return self.head(g).float(), g
 
 
-def load_draft(draft_dir: Path, target: LlamaModel, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def load_draft(draft_dir: Path, target: LlamaModel, dtype: torch.dtype, device: torch.device,
+               embeds: dict[torch.dtype, torch.Tensor] | None = None) -> LlamaModel:
     """An inference LlamaModel for a distilled draft, sharing the target's embedding tensor.
 
     A feature-reading draft gets a `feature_head` (FeatureHead); a plain one a precomputed
-    [K, C] lm_head, so one matmul scores the kept ids.
+    [K, C] lm_head, so one matmul scores the kept ids. `embeds` caches the target's embedding
+    cast to `dtype`, so drafts loaded together share one copy.
     """
     from .loader import load_state_dict, read_spec
 
@@ -135,7 +137,10 @@ def load_draft(draft_dir: Path, target: LlamaModel, dtype: torch.dtype, device: 
         return sd[name].to(device=device, dtype=dtype).contiguous()
 
     vocab_ids = sd["vocab_ids"].to(device=device, dtype=torch.long)
-    embed = target.embed if target.embed.dtype == dtype else target.embed.to(dtype)
+    embeds = {} if embeds is None else embeds  # one cast copy of the target's embedding per dtype
+    if target.embed.dtype != dtype and dtype not in embeds:
+        embeds[dtype] = target.embed.to(dtype)
+    embed = target.embed if target.embed.dtype == dtype else embeds[dtype]
     # The target's head restricted to the kept ids, with its final norm weight folded in: [K, E].
     head_e = embed[vocab_ids].float() * target.norm.float()
     proj = sd["lm_head_proj.weight"].to(device=device, dtype=torch.float32)  # [E, C]
