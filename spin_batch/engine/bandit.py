@@ -123,7 +123,10 @@ class BanditPolicy(Policy):
     mode: str = "ucb"
     seed: int = 0
     exploration: float = 0.5  # UCB bonus scale
-    gamma_exploration: float = 0.05  # chance a slot tries a random gamma, so the cost model sees varied N
+    # chance per step that one slot tries a random gamma, so the cost model sees varied N. Per
+    # step, not per slot: at 16 slots a per-slot chance would put an exploring draft in most
+    # steps, and at large batch every extra verify token is paid by the whole batch.
+    gamma_exploration: float = 0.05
     cost: CostModel = field(default_factory=CostModel)
     pooled: dict[str, Beta] = field(default_factory=dict)
     requests: dict[int, RequestArms] = field(default_factory=dict)  # by slot
@@ -157,8 +160,9 @@ class BanditPolicy(Policy):
         # a drafter whose cost is still unknown is tried by one slot, with a short draft: trying
         # it on every slot at once could stall the whole batch behind an expensive drafter
         unmeasured = [d for d in self.drafters if not self.cost.measured(d)]
+        explorer = self.rng.randrange(len(slots)) if slots and self.rng.random() < self.gamma_exploration else -1
         out = []
-        for s, cap in zip(slots, caps):
+        for i, (s, cap) in enumerate(zip(slots, caps)):
             req = self.requests.get(s)
             if req is None:
                 self.on_admit(s)
@@ -168,7 +172,7 @@ class BanditPolicy(Policy):
             if unmeasured and cap > 0:
                 out.append(Choice(unmeasured.pop(0), min(2, cap)))
             else:
-                out.append(self._best(req, cap, c1, lam))
+                out.append(self._best(req, cap, c1, lam, explore=i == explorer))
         return out
 
     def _rate(self, arm: Beta, steps: int) -> float:
@@ -177,7 +181,7 @@ class BanditPolicy(Policy):
         bonus = self.exploration * math.sqrt(math.log(steps + 1.0) / arm.n)
         return min(arm.mean + bonus, 0.999)
 
-    def _best(self, req: RequestArms, cap: int, c1: float, lam: float) -> Choice:
+    def _best(self, req: RequestArms, cap: int, c1: float, lam: float, explore: bool = False) -> Choice:
         if cap <= 0 or not self.cost.goodput.seen:
             return NO_SPEC
         # the drafter: best value at its optimistic (ucb) or sampled (thompson) acceptance rate
@@ -190,7 +194,7 @@ class BanditPolicy(Policy):
         mean = req.arms[drafter].mean
         value, g = self._best_gamma(mean, lam * (c1 + self.cost.draft_cost(drafter)), cap)
         best = Choice(drafter, g) if g else NO_SPEC
-        if self.rng.random() < self.gamma_exploration:
+        if explore:
             # vary gamma only, with the chosen drafter or else the cheapest one: exploring an
             # expensive drafter would make the whole batch wait for its draft rounds
             name = best.drafter or min(self.drafters, key=self.cost.draft_cost)
