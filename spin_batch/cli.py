@@ -168,9 +168,11 @@ def report(out_dir, png):
 @click.option("--no-unroll", is_flag=True,
               help="Train feature-reading drafts on the target's features only (default: also on their own "
                    "predicted features, as in their second draft step).")
+@click.option("--weight-decay", type=float, default=0.0, show_default=True,
+              help="AdamW weight decay: a regulariser when the drafts overfit the teacher data.")
 @click.option("--no-progress", is_flag=True)
 def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_tokens, vocab, topk, max_tokens,
-            slots, seed, device, save_dtype, plain, feature_weight, no_unroll, no_progress):
+            slots, seed, device, save_dtype, plain, feature_weight, no_unroll, weight_decay, no_progress):
     """Train a family of small drafts that imitate TARGET, by distillation on its own outputs.
 
     The target generates completions for the prompts (a resumable job under OUT/data), scores
@@ -195,6 +197,8 @@ def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_t
                                  ("--slots", slots, 0), ("--steps", steps if steps is not None else 1, 0)):
             if not value > low:
                 raise ValueError(f"{name} must be > {low}")
+        if weight_decay < 0:
+            raise ValueError("--weight-decay must be >= 0")
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     problems = check_model_ref(target)
@@ -204,7 +208,8 @@ def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_t
         target=target, prompts=tuple(prompts), out=Path(out_dir), sizes=archs, heldout=tuple(heldout),
         max_tokens=max_tokens, slots=slots, vocab=vocab, topk=topk, device=device, save_dtype=save_dtype,
         train=TrainSettings(epochs=epochs, steps=steps, batch_tokens=batch_tokens, lr=lr, seed=seed,
-                            features=not plain, feature_weight=feature_weight, unroll=not no_unroll),
+                            features=not plain, feature_weight=feature_weight, unroll=not no_unroll,
+                            weight_decay=weight_decay),
     )
     try:
         report = run_distill(settings, progress=not no_progress)

@@ -56,6 +56,22 @@ def test_training_learns_the_teacher(tiny_distilled, tiny_dir):
     assert agreement(trained, data, cpu)["all"] > agreement(fresh, data, cpu)["all"] + 0.2
 
 
+def test_weight_decay_shrinks_the_trained_weights(tiny_distilled, tiny_dir):
+    from spin_batch.distill.train import TrainSettings, train_draft
+
+    settings, _ = tiny_distilled
+    data = TeacherData.load(settings.out / "data" / "train.pt", _key(settings))
+    target = load_model(tiny_dir)
+    vocab_ids = DraftNet.from_saved(settings.out / "d2x64", target.embed, target.norm).vocab_ids
+
+    def norm(weight_decay: float) -> float:
+        train = TrainSettings(steps=30, batch_tokens=256, seed=0, weight_decay=weight_decay)
+        net, _ = train_draft(DraftArch.parse("1x64"), data, target, vocab_ids, train, torch.device("cpu"), False)
+        return sum(p.detach().norm() ** 2 for p in net.parameters() if p.requires_grad).item()
+
+    assert norm(10.0) < 0.8 * norm(0.0)
+
+
 def test_rerun_reuses_the_cached_teacher_data(tiny_distilled, tiny_dir):
     settings, _ = tiny_distilled
     data_file = settings.out / "data" / "train.pt"
@@ -205,6 +221,9 @@ def test_cli_rejects_bad_arguments_before_loading(tmp_path):
     r = CliRunner().invoke(main, ["distill", "--target", "builtin:smollm2-135m", "--prompts",
                                   str(tmp_path / "missing*.jsonl"), "--out", str(tmp_path / "o")])
     assert r.exit_code != 0 and not (tmp_path / "o").exists()
+    r = CliRunner().invoke(main, ["distill", "--target", "builtin:smollm2-135m", "--prompts", str(prompts),
+                                  "--out", str(tmp_path / "o"), "--weight-decay", "-0.1"])
+    assert r.exit_code != 0 and "--weight-decay must be >= 0" in r.output and not (tmp_path / "o").exists()
 
 
 def _key(settings) -> str:

@@ -33,6 +33,7 @@ class TrainSettings:
     features: bool = True  # the drafts read the target's last hidden state (EAGLE-style)
     feature_weight: float = 1.0  # weight of the feature regression loss
     unroll: bool = True  # also train the second draft step, on the draft's own predicted features
+    weight_decay: float = 0.0  # AdamW decoupled weight decay (a regulariser against overfitting the teacher data)
 
 
 def choose_vocab(data: TeacherData, size: int, vocab_size: int, always: list[int],
@@ -160,7 +161,7 @@ def train_draft(arch: DraftArch, data: TeacherData, target: LlamaModel, vocab_id
     per_epoch = len(_batches(data, settings.batch_tokens, torch.Generator().manual_seed(0)))
     steps = settings.steps or max(1, round(settings.epochs * per_epoch))
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=settings.lr,
-                            betas=(0.9, 0.95), weight_decay=0.0)
+                            betas=(0.9, 0.95), weight_decay=settings.weight_decay)
     warm = max(1, min(50, steps // 20))
 
     def lr_at(step: int) -> float:
