@@ -168,11 +168,17 @@ def report(out_dir, png):
 @click.option("--no-unroll", is_flag=True,
               help="Train feature-reading drafts on the target's features only (default: also on their own "
                    "predicted features, as in their second draft step).")
+@click.option("--samples", type=int, default=0, show_default=True,
+              help="Sampled completions per training prompt, on top of the greedy one: more teacher contexts "
+                   "from the same prompts (each is one more generation job).")
+@click.option("--sample-temperature", type=float, default=0.8, show_default=True,
+              help="Temperature of the sampled completions.")
 @click.option("--weight-decay", type=float, default=0.0, show_default=True,
               help="AdamW weight decay: a regulariser when the drafts overfit the teacher data.")
 @click.option("--no-progress", is_flag=True)
 def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_tokens, vocab, topk, max_tokens,
-            slots, seed, device, save_dtype, plain, feature_weight, no_unroll, weight_decay, no_progress):
+            slots, seed, device, save_dtype, plain, feature_weight, no_unroll, samples, sample_temperature,
+            weight_decay, no_progress):
     """Train a family of small drafts that imitate TARGET, by distillation on its own outputs.
 
     The target generates completions for the prompts (a resumable job under OUT/data), scores
@@ -199,6 +205,10 @@ def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_t
                 raise ValueError(f"{name} must be > {low}")
         if weight_decay < 0:
             raise ValueError("--weight-decay must be >= 0")
+        if samples < 0:
+            raise ValueError("--samples must be >= 0")
+        if samples and not sample_temperature > 0:
+            raise ValueError("--sample-temperature must be > 0")
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     problems = check_model_ref(target)
@@ -207,6 +217,7 @@ def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_t
     settings = DistillSettings(
         target=target, prompts=tuple(prompts), out=Path(out_dir), sizes=archs, heldout=tuple(heldout),
         max_tokens=max_tokens, slots=slots, vocab=vocab, topk=topk, device=device, save_dtype=save_dtype,
+        samples=samples, sample_temperature=sample_temperature,
         train=TrainSettings(epochs=epochs, steps=steps, batch_tokens=batch_tokens, lr=lr, seed=seed,
                             features=not plain, feature_weight=feature_weight, unroll=not no_unroll,
                             weight_decay=weight_decay),

@@ -72,6 +72,35 @@ def test_weight_decay_shrinks_the_trained_weights(tiny_distilled, tiny_dir):
     assert norm(10.0) < 0.8 * norm(0.0)
 
 
+def test_sampled_completions_add_teacher_contexts(tmp_path, tiny_distilled, tiny_dir):
+    """--samples 2: the greedy generation is reused (same key), two sampled jobs add a sequence per
+    prompt each, their completions are not all the greedy ones, and the cache key changes."""
+    import shutil
+    from dataclasses import replace
+
+    from spin_batch.distill import _teacher, teacher_key
+
+    settings, _ = tiny_distilled
+    shutil.copytree(settings.out / "data" / "train", tmp_path / "data" / "train")  # the greedy completions
+    parts = sorted((tmp_path / "data" / "train").rglob("part-*.parquet"))
+    before = [p.stat().st_mtime_ns for p in parts]
+    s = replace(settings, out=tmp_path, samples=2, sample_temperature=1.0)
+    target, tok = load_model(tiny_dir), load_tokenizer(tiny_dir)
+    fp = fingerprint(tiny_dir)
+    greedy = TeacherData.load(settings.out / "data" / "train.pt", _key(settings))
+    data = _teacher(s, "train", s.prompts, target, tok, fp, progress=False, samples=2)
+    n = len(TRAIN_PROMPTS)
+    assert len(data) == 3 * n and data.num_tokens() > greedy.num_tokens()
+    assert [t.tolist() for t in data.tokens[:n]] == [t.tolist() for t in greedy.tokens]  # greedy first ...
+    assert parts and [p.stat().st_mtime_ns for p in parts] == before  # ... and not regenerated
+    sampled = {tuple(t.tolist()) for t in data.tokens[n:]}
+    assert len(sampled - {tuple(t.tolist()) for t in greedy.tokens}) >= n // 2
+    assert all(len(d.tolist()) == len(t) for d, t in zip(data.top_ids, data.tokens))  # every position scored
+    assert teacher_key(s, s.prompts, fp, 2) != teacher_key(s, s.prompts, fp)
+    assert (tmp_path / "data" / "train.pt").exists()
+    assert TeacherData.load(tmp_path / "data" / "train.pt", teacher_key(s, s.prompts, fp, 2)) is not None
+
+
 def test_rerun_reuses_the_cached_teacher_data(tiny_distilled, tiny_dir):
     settings, _ = tiny_distilled
     data_file = settings.out / "data" / "train.pt"
@@ -224,6 +253,9 @@ def test_cli_rejects_bad_arguments_before_loading(tmp_path):
     r = CliRunner().invoke(main, ["distill", "--target", "builtin:smollm2-135m", "--prompts", str(prompts),
                                   "--out", str(tmp_path / "o"), "--weight-decay", "-0.1"])
     assert r.exit_code != 0 and "--weight-decay must be >= 0" in r.output and not (tmp_path / "o").exists()
+    r = CliRunner().invoke(main, ["distill", "--target", "builtin:smollm2-135m", "--prompts", str(prompts),
+                                  "--out", str(tmp_path / "o"), "--samples", "2", "--sample-temperature", "0"])
+    assert r.exit_code != 0 and "--sample-temperature must be > 0" in r.output and not (tmp_path / "o").exists()
 
 
 def _key(settings) -> str:

@@ -1,6 +1,7 @@
 """`spin-batch distill`: a family of small drafts trained to imitate a target, offline.
 
-    generate  the target's greedy completions for the prompts (a job on our own runner)
+    generate  the target's greedy completions for the prompts (a job on our own runner), plus
+              optional sampled ones (--samples): more distinct contexts from the same prompts
     score     the target's top-k log-probs at every position of prompt + completion
     vocab     the K target ids with the most teacher mass: the drafts' output head
     train     one draft per size, by KL distillation (seeded: the same inputs give the same draft)
@@ -46,39 +47,57 @@ class DistillSettings:
     save_dtype: str = "bfloat16"
     cost_slots: tuple[int, ...] = (1, 16)
     train: TrainSettings = field(default_factory=TrainSettings)
+    samples: int = 0  # sampled completions per training prompt, on top of the greedy one
+    sample_temperature: float = 0.8
 
 
-def teacher_key(s: DistillSettings, prompts: tuple[str, ...], fp: str) -> str:
+def teacher_key(s: DistillSettings, prompts: tuple[str, ...], fp: str, samples: int = 0) -> str:
     """What the cached teacher data depends on (prompt files by content): a rerun with the same key reuses it."""
     from ..io.reader import list_shards
 
     contents = [(str(f), hashlib.sha256(f.read_bytes()).hexdigest()) for f in list_shards(list(prompts))]
-    return data_key(DATA_VERSION, fp, contents, s.max_tokens, s.topk, s.train.seed)
+    extra = (samples, s.sample_temperature) if samples else ()  # greedy-only keys are unchanged
+    return data_key(DATA_VERSION, fp, contents, s.max_tokens, s.topk, s.train.seed, *extra)
 
 
-def _teacher(s: DistillSettings, name: str, prompts: tuple[str, ...], target, tokenizer, fp: str,
-             progress: bool) -> TeacherData:
-    """Generate and score (or reuse what an earlier run cached) the teacher data for these prompts."""
-    from ..runner import eos_ids, make_encoder, run_job
+def _generate(s: DistillSettings, gen_dir: Path, key: str, prompts: tuple[str, ...], seed: int,
+              temperature: float, progress: bool):
+    """One resumable generation job into gen_dir (wiped first if it holds another key's completions)."""
+    from ..runner import run_job
 
-    cache_file = s.out / "data" / f"{name}.pt"
-    key = teacher_key(s, prompts, fp)
-    data = TeacherData.load(cache_file, key)
-    if data is not None:
-        return data
-    gen_dir = s.out / "data" / name
     key_file = gen_dir / "teacher-key"
     if gen_dir.exists() and (not key_file.exists() or key_file.read_text() != key):
         shutil.rmtree(gen_dir)  # completions of other prompts or settings: a resume would mix them up
     gen_dir.mkdir(parents=True, exist_ok=True)
     key_file.write_text(key)
-    job = generation_job(s.target, list(prompts), gen_dir, s.max_tokens, s.slots, s.train.seed, s.device)
+    job = generation_job(s.target, list(prompts), gen_dir, s.max_tokens, s.slots, seed, s.device, temperature)
     run_job(job, progress=progress, shard_index=0, num_shards=1)  # resumes a killed generation
+    return job
+
+
+def _teacher(s: DistillSettings, name: str, prompts: tuple[str, ...], target, tokenizer, fp: str,
+             progress: bool, samples: int = 0) -> TeacherData:
+    """Generate and score (or reuse what an earlier run cached) the teacher data for these prompts:
+    the greedy completions, plus `samples` sampled ones per prompt (each its own resumable job)."""
+    from ..runner import eos_ids, make_encoder
+
+    cache_file = s.out / "data" / f"{name}.pt"
+    key = teacher_key(s, prompts, fp, samples)
+    data = TeacherData.load(cache_file, key)
+    if data is not None:
+        return data
     target_dir = loader.resolve_model_dir(s.target)
     eos = sorted(eos_ids(target_dir, tokenizer))
-    seqs, plens, kinds = sequences(job, Path(job.output.dir), tokenizer, make_encoder(tokenizer, job),
-                                   tokenizer.eos_token_id if tokenizer.eos_token_id is not None else
-                                   (eos[0] if eos else None))
+    eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else (eos[0] if eos else None)
+    seqs, plens, kinds = [], [], []
+    greedy_key = teacher_key(s, prompts, fp)  # a sample's completions depend on its index, not on how many
+    runs = [(s.out / "data" / name, greedy_key, s.train.seed, 0.0)]
+    runs += [(s.out / "data" / f"{name}-sample{i}", data_key(greedy_key, "sample", i, s.sample_temperature),
+              s.train.seed + i, s.sample_temperature) for i in range(1, samples + 1)]
+    for gen_dir, gen_key, seed, temperature in runs:
+        job = _generate(s, gen_dir, gen_key, prompts, seed, temperature, progress)
+        q, p, k = sequences(job, Path(job.output.dir), tokenizer, make_encoder(tokenizer, job), eos_id)
+        seqs, plens, kinds = seqs + q, plens + p, kinds + k
     if not seqs:
         raise ValueError(f"no completions to learn from in {job.output.dir} (every row failed?)")
     top_ids, top_logp, feats = score(target, seqs, s.topk, progress=progress)
@@ -99,7 +118,7 @@ def run_distill(s: DistillSettings, progress: bool = True) -> dict:
     s.out.mkdir(parents=True, exist_ok=True)
 
     t0 = time.perf_counter()
-    train_data = _teacher(s, "train", s.prompts, target, tokenizer, fp, progress)
+    train_data = _teacher(s, "train", s.prompts, target, tokenizer, fp, progress, s.samples)
     held = _teacher(s, "heldout", s.heldout, target, tokenizer, fp, progress) if s.heldout else None
     data_s = time.perf_counter() - t0
 
@@ -141,7 +160,8 @@ def run_distill(s: DistillSettings, progress: bool = True) -> dict:
         "target_step_ms": {str(n): round(v, 3) for n, v in target_ms.items()},
         "data_s": round(data_s, 1),
         "total_s": round(time.perf_counter() - t_start, 1),
-        "settings": {"max_tokens": s.max_tokens, "topk": s.topk, "vocab": s.vocab, **asdict(s.train)},
+        "settings": {"max_tokens": s.max_tokens, "topk": s.topk, "vocab": s.vocab, "samples": s.samples,
+                     "sample_temperature": s.sample_temperature, **asdict(s.train)},
         "machine": {"device": str(device), "threads": torch.get_num_threads(), "cpu": platform.processor()},
         "drafts": drafts,
     }

@@ -57,8 +57,9 @@ class TeacherData:
 
 
 def generation_job(target: str, prompts: list[str], out_dir: Path, max_tokens: int, slots: int, seed: int,
-                   device: str):
-    """The job that makes the target's completions: plain greedy decoding on our runner."""
+                   device: str, temperature: float = 0.0):
+    """The job that makes the target's completions: plain decoding on our runner, greedy unless a
+    temperature is given (sampled completions: other contexts from the same prompts)."""
     return parse_job({
         "name": "distill-generate",
         "input": {"paths": list(prompts), "chat_template": "auto"},
@@ -66,7 +67,7 @@ def generation_job(target: str, prompts: list[str], out_dir: Path, max_tokens: i
         "target": {"model": target, "dtype": "float32", "device": device},
         "spin": {"selector": "none"},
         "batch": {"slots": slots, "max_model_len": 1024},
-        "sampling": {"temperature": 0.0, "max_tokens": max_tokens, "seed": seed},
+        "sampling": {"temperature": temperature, "max_tokens": max_tokens, "seed": seed},
     }, source="<distill>")
 
 
