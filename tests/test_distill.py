@@ -78,7 +78,7 @@ def test_sampled_completions_add_teacher_contexts(tmp_path, tiny_distilled, tiny
     import shutil
     from dataclasses import replace
 
-    from spin_batch.distill import _teacher, teacher_key
+    from spin_batch.distill import _teacher
 
     settings, _ = tiny_distilled
     shutil.copytree(settings.out / "data" / "train", tmp_path / "data" / "train")  # the greedy completions
@@ -96,9 +96,12 @@ def test_sampled_completions_add_teacher_contexts(tmp_path, tiny_distilled, tiny
     sampled = {tuple(t.tolist()) for t in data.tokens[n:]}
     assert len(sampled - {tuple(t.tolist()) for t in greedy.tokens}) >= n // 2
     assert all(len(d.tolist()) == len(t) for d, t in zip(data.top_ids, data.tokens))  # every position scored
-    assert teacher_key(s, s.prompts, fp, 2) != teacher_key(s, s.prompts, fp)
-    assert (tmp_path / "data" / "train.pt").exists()
-    assert TeacherData.load(tmp_path / "data" / "train.pt", teacher_key(s, s.prompts, fp, 2)) is not None
+    # cached under its own key: the greedy-only key does not load it, a rerun with the same samples does
+    cached = tmp_path / "data" / "train.pt"
+    assert TeacherData.load(cached, _key(settings)) is None
+    written = cached.stat().st_mtime_ns
+    again = _teacher(s, "train", s.prompts, target, tok, fp, progress=False, samples=2)
+    assert len(again) == 3 * n and cached.stat().st_mtime_ns == written  # loaded, not rebuilt
 
 
 def test_rerun_reuses_the_cached_teacher_data(tiny_distilled, tiny_dir):

@@ -51,13 +51,17 @@ class DistillSettings:
     sample_temperature: float = 0.8
 
 
-def teacher_key(s: DistillSettings, prompts: tuple[str, ...], fp: str, samples: int = 0) -> str:
-    """What the cached teacher data depends on (prompt files by content): a rerun with the same key reuses it."""
+def teacher_key(s: DistillSettings, prompts: tuple[str, ...], fp: str) -> str:
+    """What the greedy teacher data depends on (prompt files by content): a rerun with the same key reuses it."""
     from ..io.reader import list_shards
 
     contents = [(str(f), hashlib.sha256(f.read_bytes()).hexdigest()) for f in list_shards(list(prompts))]
-    extra = (samples, s.sample_temperature) if samples else ()  # greedy-only keys are unchanged
-    return data_key(DATA_VERSION, fp, contents, s.max_tokens, s.topk, s.train.seed, *extra)
+    return data_key(DATA_VERSION, fp, contents, s.max_tokens, s.topk, s.train.seed)
+
+
+def sample_key(greedy_key: str, i: int, temperature: float) -> str:
+    """Sampled completion set i: depends on its index and temperature, not on how many sets there are."""
+    return data_key(greedy_key, "sample", i, temperature)
 
 
 def _generate(s: DistillSettings, gen_dir: Path, key: str, prompts: tuple[str, ...], seed: int,
@@ -82,7 +86,9 @@ def _teacher(s: DistillSettings, name: str, prompts: tuple[str, ...], target, to
     from ..runner import eos_ids, make_encoder
 
     cache_file = s.out / "data" / f"{name}.pt"
-    key = teacher_key(s, prompts, fp, samples)
+    greedy_key = teacher_key(s, prompts, fp)
+    sample_keys = [sample_key(greedy_key, i, s.sample_temperature) for i in range(1, samples + 1)]
+    key = data_key(greedy_key, *sample_keys) if samples else greedy_key
     data = TeacherData.load(cache_file, key)
     if data is not None:
         return data
@@ -90,10 +96,9 @@ def _teacher(s: DistillSettings, name: str, prompts: tuple[str, ...], target, to
     eos = sorted(eos_ids(target_dir, tokenizer))
     eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else (eos[0] if eos else None)
     seqs, plens, kinds = [], [], []
-    greedy_key = teacher_key(s, prompts, fp)  # a sample's completions depend on its index, not on how many
     runs = [(s.out / "data" / name, greedy_key, s.train.seed, 0.0)]
-    runs += [(s.out / "data" / f"{name}-sample{i}", data_key(greedy_key, "sample", i, s.sample_temperature),
-              s.train.seed + i, s.sample_temperature) for i in range(1, samples + 1)]
+    runs += [(s.out / "data" / f"{name}-sample{i}", k, s.train.seed + i, s.sample_temperature)
+             for i, k in enumerate(sample_keys, start=1)]
     for gen_dir, gen_key, seed, temperature in runs:
         job = _generate(s, gen_dir, gen_key, prompts, seed, temperature, progress)
         q, p, k = sequences(job, Path(job.output.dir), tokenizer, make_encoder(tokenizer, job), eos_id)

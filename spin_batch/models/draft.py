@@ -103,7 +103,7 @@ def normalize(h: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class FeatureHead:
-    """A draft's output side: rms_norm(h) -> predicted target feature g [E] -> logits over the kept ids."""
+    """A draft's output side: normed hidden state -> predicted target feature g [E] -> logits over the kept ids."""
 
     def __init__(self, proj: torch.Tensor, head: torch.Tensor):
         self.proj = Linear(proj)  # [E, C]
@@ -137,10 +137,12 @@ def load_draft(draft_dir: Path, target: LlamaModel, dtype: torch.dtype, device: 
         return sd[name].to(device=device, dtype=dtype).contiguous()
 
     vocab_ids = sd["vocab_ids"].to(device=device, dtype=torch.long)
-    embeds = {} if embeds is None else embeds  # one cast copy of the target's embedding per dtype
-    if target.embed.dtype != dtype and dtype not in embeds:
-        embeds[dtype] = target.embed.to(dtype)
-    embed = target.embed if target.embed.dtype == dtype else embeds[dtype]
+    embed = target.embed
+    if embed.dtype != dtype:  # one cast copy per dtype, shared through `embeds`
+        embeds = {} if embeds is None else embeds
+        if dtype not in embeds:
+            embeds[dtype] = embed.to(dtype)
+        embed = embeds[dtype]
     # The target's head restricted to the kept ids, with its final norm weight folded in: [K, E].
     head_e = embed[vocab_ids].float() * target.norm.float()
     proj = sd["lm_head_proj.weight"].to(device=device, dtype=torch.float32)  # [E, C]

@@ -155,10 +155,6 @@ class LayerWeights:
     down: Linear  # [I] -> [C]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, weight.shape, weight, eps)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x [N, heads, D] in one pass: x * cos + swap_halves(x) * sin_signed.
 
@@ -267,14 +263,17 @@ class AttentionPlan:
             elif n > SHORT_SEGMENT:
                 self.long.append(i)
         self.groups = [_SameLengthGroup(seg, members, groups, dtype, device) for members in by_len.values()]
+        # One group holding every row (a decode or verify step without prefill): its output is the result.
+        rows = self.groups[0].rows if len(self.groups) == 1 and not self.long else None
+        self.whole = isinstance(rows, slice) and rows == slice(0, seg.num_tokens)
 
 
 def attention(
     q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, seg: Segments, plan: AttentionPlan
 ) -> torch.Tensor:
     """Packed attention per the plan: a batched call per segment length, a call per long segment."""
-    if not plan.long and len(plan.groups) == 1 and plan.groups[0].rows == slice(0, q.shape[0]):
-        return plan.groups[0].attend(q, cache_k, cache_v)  # every segment feeds the same count (decode)
+    if plan.whole:
+        return plan.groups[0].attend(q, cache_k, cache_v)
     out = attention_ref(q, cache_k, cache_v, seg, only=plan.long) if plan.long else torch.empty_like(q)
     for group in plan.groups:
         out[group.rows] = group.attend(q, cache_k, cache_v)
