@@ -9,7 +9,8 @@ Methods (extensible through METHODS):
 - autoregressive: our loop with no drafts.
 - fixed:<name>: our loop with one drafter.
 - spin: our loop with the SPIN bandit (selector ucb), pipeline as the job resolves it;
-  spin-nopipe / spin-pipe force the pipeline off / on; thompson and round_robin likewise.
+  spin-nopipe / spin-pipe force the pipeline off / on; thompson and round_robin likewise;
+  spin-nogate turns the drafters' confidence gate off (spin.confidence_gate: false).
 - oracle: derived from the runs above: each request takes the method (a fixed drafter, or no
   drafting) that cost it the least time, where a request's time is its share of each step.
 """
@@ -65,9 +66,9 @@ def peak_rss_mb() -> float:
 
 
 def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots: int, repeat: int,
-             label: str, pipeline: bool) -> MethodRun:
+             label: str, pipeline: bool, gate: bool = True) -> MethodRun:
     loop = engine.loop
-    loop.policy = make_policy(selector, list(loop.drafters), gamma)
+    loop.policy = make_policy(selector, loop.drafters, gamma, confidence_gate=gate)
     loop.cfg = replace(loop.cfg, pipeline=pipeline)
     loop.stats = RunStats()
     tokens: dict[str, list[int]] = {}
@@ -148,7 +149,7 @@ def oracle(runs: list[MethodRun], slots: int, repeat: int) -> MethodRun | None:
 
 
 SELECTOR_METHODS = {"autoregressive": "none", "spin": "ucb", "spin-nopipe": "ucb", "spin-pipe": "ucb",
-                    "thompson": "thompson", "round_robin": "round_robin"}
+                    "spin-nogate": "ucb", "thompson": "thompson", "round_robin": "round_robin"}
 
 
 def default_methods(job: JobConfig) -> list[str]:
@@ -231,8 +232,9 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
                 else:
                     selector = SELECTOR_METHODS.get(m, m)
                     pipeline = {"spin-nopipe": False, "spin-pipe": True}.get(m, job_pipeline)
+                    gate = job.spin.confidence_gate and m != "spin-nogate"
                     this_repeat.append(run_loop(engine, selector, job.spin.num_speculative_tokens, data, slots, r, m,
-                                                pipeline))
+                                                pipeline, gate))
                 bar.update(1)
             if "oracle" in methods:
                 o = oracle(this_repeat, slots, r)

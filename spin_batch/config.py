@@ -591,6 +591,8 @@ class SpinConfig:
     selector: str = "auto"
     num_speculative_tokens: int = 4
     pipeline: Literal["auto", "on", "off"] = "auto"  # auto: on for CUDA, off on CPU
+    # model drafters stop a chain where their own confidence no longer pays for a verified token
+    confidence_gate: bool = True
 
     @classmethod
     def _parse(cls, s: _Section) -> SpinConfig:
@@ -599,6 +601,7 @@ class SpinConfig:
             selector=s.take("selector", _text()),
             num_speculative_tokens=s.take("num_speculative_tokens", _int(lo=1, hi=32)),
             pipeline=s.take("pipeline", _choice("auto", "on", "off")),
+            confidence_gate=s.take("confidence_gate", _bool),
         )
 
 

@@ -13,23 +13,48 @@ from spin_batch.engine.policy import Outcome, StepCosts, make_policy
 class World:
     """Slots whose drafters accept each token with a fixed probability; costs are linear."""
 
-    def __init__(self, rates: dict[str, float], draft_cost: dict[str, float], c0: float, c1: float, seed: int = 0):
+    def __init__(self, rates: dict[str, float], draft_cost: dict[str, float], c0: float, c1: float, seed: int = 0,
+                 confident: float | None = None):
         self.rates, self.draft_cost, self.c0, self.c1 = rates, draft_cost, c0, c1
         self.rng = random.Random(seed)
+        # None: every draft token is accepted with its drafter's rate. A share p: a draft position is
+        # sure (its draft probability and acceptance 0.99) with chance p, else unsure (0.1), and a
+        # gated choice (min_prob > 0) stops its chain where the running product falls below min_prob.
+        self.confident = confident
+        self.gained = self.seconds = 0.0
+
+    def _chain(self, c) -> tuple[int, int]:
+        """(proposed, accepted) for one slot's choice."""
+        if self.confident is None:
+            k = 0
+            while k < c.gamma and self.rng.random() < self.rates[c.drafter]:
+                k += 1
+            return c.gamma, k
+        proposed, accepted, conf, alive = 0, 0, 1.0, True
+        for _ in range(c.gamma):
+            u = 0.99 if self.rng.random() < self.confident else 0.1
+            conf *= u
+            if conf < c.min_prob:
+                break
+            proposed += 1
+            alive = alive and self.rng.random() < u
+            accepted += alive
+        return proposed, accepted
 
     def step(self, policy: BanditPolicy, slots: list[int]) -> list:
         choices = policy.choose(slots, [8] * len(slots))
         outcomes, tokens, draft_s, draft_tokens = [], 0, {}, {}
         for s, c in zip(slots, choices):
-            k = 0
+            proposed = k = 0
             if c.drafter:
-                while k < c.gamma and self.rng.random() < self.rates[c.drafter]:
-                    k += 1
+                proposed, k = self._chain(c)
                 draft_tokens[c.drafter] = draft_tokens.get(c.drafter, 0) + c.gamma
                 draft_s[c.drafter] = draft_s.get(c.drafter, 0.0) + c.gamma * self.draft_cost[c.drafter]
-            tokens += c.gamma + 1
-            outcomes.append(Outcome(s, c, c.gamma, k))
+            tokens += proposed + 1
+            outcomes.append(Outcome(s, c, proposed, k))
+            self.gained += k + 1
         verify = self.c0 + self.c1 * tokens
+        self.seconds += verify + sum(draft_s.values())
         policy.learn(outcomes, StepCosts({"draft": sum(draft_s.values()), "verify": verify}, tokens, draft_s,
                                          draft_tokens))
         return choices
@@ -116,3 +141,36 @@ def test_make_policy_selectors():
     rr = make_policy("round_robin", ["a", "b"], 3)
     got = {c.drafter for _ in range(4) for c in rr.choose([0], [5])}
     assert got == {"a", "b"}
+
+
+def test_confidence_gate_makes_drafting_pay_where_whole_chains_do_not():
+    """Half the draft positions are sure (0.99), half unsure (0.1): a = 0.55 per token. Each verified
+    token costs about half a token of goodput, so whole chains barely pay (gamma 1 at best). Gated, the
+    bandit drafts the sure runs only, at a floor equal to that cost, and gains clearly more."""
+    def goodput(gated: bool, seed: int) -> tuple[float, list]:
+        world = World({"d": 0.55}, {"d": 0.0002}, c0=0.04, c1=0.005, seed=seed, confident=0.5)
+        policy = BanditPolicy(["d"], max_gamma=6, seed=seed, gated=frozenset({"d"}) if gated else frozenset())
+        picks = run_requests(policy, world, n_requests=10, steps_per_request=20, slots=8)
+        return world.gained / world.seconds, picks
+
+    ratios = []
+    for seed in range(3):
+        ungated, picks_u = goodput(False, seed)
+        gated, picks_g = goodput(True, seed)
+        ratios.append(gated / ungated)
+        late = picks_g[len(picks_g) // 2:]
+        floors = [c.min_prob for c in late if c.drafter]
+        assert floors and 0.3 < sorted(floors)[len(floors) // 2] < 0.8, floors[:5]  # about lam * c1
+        assert all(c.min_prob == 0 for c in picks_u)
+    assert min(ratios) > 1.15, ratios
+
+
+def test_only_gated_drafters_get_a_floor():
+    world = World({"g": 0.6, "u": 0.6}, {"g": 0.001, "u": 0.001}, c0=0.04, c1=0.002)
+    policy = BanditPolicy(["g", "u"], max_gamma=4, seed=0, gated=frozenset({"g"}))
+    picks = run_requests(policy, world, n_requests=10, steps_per_request=10, slots=4)
+    assert any(c.drafter == "g" and c.gamma for c in picks) and any(c.drafter == "u" and c.gamma for c in picks)
+    # all but the first, unmeasured try and the rare ungated gamma exploration (the cost model needs varied N)
+    g_picks = [c for c in picks if c.drafter == "g" and c.gamma]
+    assert sum(c.min_prob > 0 for c in g_picks) >= 0.9 * len(g_picks)
+    assert all(c.min_prob == 0 for c in picks if c.drafter != "g")

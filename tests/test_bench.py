@@ -101,3 +101,13 @@ def test_humaneval_prompts_come_from_the_installed_package():
 def test_regret_lines(runs):
     lines = bench.regret(bench.table(runs))
     assert len(lines) == 2 and "x best fixed" in lines[0] and "x oracle" in lines[0]
+
+
+def test_spin_nogate_turns_the_confidence_gate_off(job, monkeypatch):
+    made = []
+    real = bench.make_policy
+    monkeypatch.setattr(bench, "make_policy", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    runs = bench.run_bench(job, ["autoregressive", "spin", "spin-nogate"], [2], limit=None, repeat=1, progress=False)
+    assert bench.mismatches(runs) == []
+    # spin gives the model drafter (exit2) a confidence floor; spin-nogate gives none
+    assert [p.gated for p in made if hasattr(p, "gated")] == [frozenset({"exit2"}), frozenset()]

@@ -100,6 +100,7 @@ def test_minimal_job_gets_defaults():
     assert job.target == TargetConfig()
     assert job.drafters == ()
     assert job.spin == SpinConfig(selector="none", num_speculative_tokens=4)
+    assert job.spin.confidence_gate
     assert job.batch == BatchConfig()
     assert job.sampling == SamplingConfig()
     assert job.sampling.greedy
@@ -224,6 +225,7 @@ def test_missing_drafter_kind():
         ("batch", "slots", None, "batch.slots: expected an integer, got null"),
         ("sampling", "temperature", False, "sampling.temperature: expected a number, got bool False"),
         ("sampling", "ignore_eos", 1, "sampling.ignore_eos: expected true or false, got int 1"),
+        ("spin", "confidence_gate", "off", "spin.confidence_gate: expected true or false, got str 'off'"),
         ("output", "dir", 3, "output.dir: expected a string, got int 3"),
     ],
 )

@@ -54,7 +54,8 @@ def texts(tmp_path, name: str, selector: str, slots: int, engines: dict) -> dict
     if slots not in engines:
         engines[slots] = build_engine(j)
     eng = engines[slots]
-    eng.loop.policy = make_policy(j.spin.selector, list(eng.loop.drafters), j.spin.num_speculative_tokens)
+    eng.loop.policy = make_policy(j.spin.selector, eng.loop.drafters, j.spin.num_speculative_tokens,
+                                  confidence_gate=j.spin.confidence_gate)
     result = run_job(j, progress=False, engine=eng)
     assert result.summary["rows_ok"] == len(PROMPTS)
     df = read_outputs(j.output.dir)
@@ -113,7 +114,8 @@ def test_shipped_drafts_stay_lossless(tmp_path):
         j = parse_job({**raw, "output": {"dir": str(tmp_path / selector.replace(":", "-"))}},
                       [f"spin.selector={selector}"])
         engine = engine or build_engine(j)
-        engine.loop.policy = make_policy(j.spin.selector, list(engine.loop.drafters), j.spin.num_speculative_tokens)
+        engine.loop.policy = make_policy(j.spin.selector, engine.loop.drafters, j.spin.num_speculative_tokens,
+                                                 confidence_gate=j.spin.confidence_gate)
         summary = run_job(j, progress=False, engine=engine).summary
         df = read_outputs(j.output.dir)
         out[selector] = dict(zip(df["id"].to_list(), df["text"].to_list()))

@@ -181,6 +181,35 @@ def test_model_drafter_other_model_equals_autoregressive(target, reference, tiny
     assert run(loop) == reference
 
 
+class GatedFixed(Policy):
+    """One drafter, gamma 5, with a confidence floor (Choice.min_prob)."""
+
+    def __init__(self, name: str, floor: float):
+        self.name, self.floor = name, floor
+
+    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
+        return [Choice(self.name, min(5, c), self.floor) if c else Choice(None, 0) for c in caps]
+
+
+@pytest.mark.parametrize("slots", [1, 8])
+@pytest.mark.parametrize("kind", ["self", "other", "exit_1"])
+def test_confidence_gated_model_drafter_equals_autoregressive(target, reference, tiny_draft_dir, kind, slots):
+    factory = {"self": self_model, "other": other_model_factory(tiny_draft_dir), "exit_1": early_exit_1}[kind]
+    # a floor no chain falls under: the gate is consulted but cuts nothing; it records the draft's top probabilities
+    probe = make_loop(target, slots, GatedFixed(kind, 1e-30), [factory])
+    drafter, tops = probe.drafters[kind], []
+    top_prob = drafter._top_prob
+    drafter._top_prob = lambda logits, sp: (t := top_prob(logits, sp), tops.extend(t))[0]
+    assert run(probe) == reference
+    drafted_all = probe.stats.summary()["drafters"][kind]["draft_tokens"]
+    assert tops
+    floor = sorted(tops)[len(tops) // 2]  # the median draft position falls under it
+    gated = make_loop(target, slots, GatedFixed(kind, floor), [factory])
+    assert run(gated) == reference
+    d = gated.stats.summary()["drafters"][kind]
+    assert 0 < d["draft_tokens"] < 0.9 * drafted_all, (d, drafted_all)
+
+
 @pytest.mark.parametrize("slots", [1, 3, 8])
 def test_mixed_gamma_and_drafters_in_one_batch(target, reference, tiny_draft_dir, slots):
     factories = [early_exit_all, early_exit_1, self_model, other_model_factory(tiny_draft_dir), ngram,
@@ -217,7 +246,8 @@ def test_bandit_selectors_equal_autoregressive(target, reference, tiny_draft_dir
 
     factories = [early_exit_all, early_exit_1, other_model_factory(tiny_draft_dir), ngram]
     names = ["exit_all", "exit_1", "other", "ngram"]
-    loop = make_loop(target, 3, make_policy(selector, names, 4, seed=1), factories)
+    loop = make_loop(target, 3, NoSpeculation(), factories)
+    loop.policy = make_policy(selector, loop.drafters, 4, seed=1)  # the model drafters get confidence floors
     assert run(loop) == reference
     pulls = loop.stats.summary()["drafters"]
     used = {n for n in names if pulls.get(n, {}).get("pulls")}

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from spin_batch.drafters.model import ModelDrafter
 from spin_batch.engine import verify
 from spin_batch.engine.sampling import SamplingParams, probs_from_logits
 from spin_batch.engine.verify import accept_greedy, accept_sampling
@@ -190,3 +191,97 @@ def test_vote_proposal_is_lossless_under_sampling():
         counts[v.tokens[0][0]] += 1
     ok, z = _within_bound(p[0], counts)
     assert ok, f"off by {z:.1f} sigma"
+
+
+# -- the draft confidence gate (DraftRequest.min_prob) ----------------------------------------
+
+class _TableDraft(ModelDrafter):
+    """ModelDrafter's own proposal loop over a fixed two-position draft: q1 first, then q2[d1]."""
+
+    START = V  # the token fed in the first round (not a vocabulary row)
+
+    def __init__(self, q1: torch.Tensor, q2: torch.Tensor):
+        self.name, self.vocab_ids, self.lens = "table", None, None
+        self.model = type("M", (), {"device": torch.device("cpu")})()
+        self.logq1, self.logq2 = q1.log(), q2.log()
+
+    def _catch_up(self, reqs):
+        return [0] * len(reqs), [[self.START] for _ in reqs], None
+
+    def _step(self, flat, seg, extra):
+        first = flat == self.START
+        rows = torch.where(first[:, None], self.logq1.expand(len(flat), V), self.logq2[flat.clamp_max(V - 1)])
+        return rows, None
+
+    def _seen(self, req, end, first):
+        pass
+
+
+def _gated_problem():
+    g = torch.Generator().manual_seed(7)
+    p_logits = torch.randn(3, V, generator=g) * 1.5
+    q1 = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
+    q2 = torch.softmax(torch.randn(V, V, generator=g) * torch.linspace(0.5, 3.0, V)[:, None], -1)
+    conf = q1.max() * q2.max(-1).values  # the chain's confidence after its second token, per first token
+    return p_logits, q1, q2, float(conf.median())
+
+
+def _gated_outputs(propose, p, q1, q2, n, seed):
+    """Output tokens 1 and 2 of n speculative steps whose drafts come from `propose`."""
+    gen = torch.Generator().manual_seed(seed)
+    drafts, qs = propose(gen)
+    first, second = torch.zeros(V), torch.zeros(V)
+    lengths = torch.zeros(3)
+    for d, q in zip(drafts, qs):
+        lengths[len(d)] += 1
+        k, nxt = verify._accept_one(p, d, q, gen)
+        out = d[:k] + [nxt]
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    return first, second, lengths
+
+
+def test_confidence_gate_keeps_sampling_exact():
+    """The gate stops a chain on the draft's distribution alone, before drawing from it: the output
+    still follows p, while the gate does drop second draft tokens."""
+    from spin_batch.drafters.base import DraftRequest
+
+    p_logits, q1, q2, floor = _gated_problem()
+    sp = SamplingParams(1.0)
+    p = probs_from_logits(p_logits, sp)
+    drafter = _TableDraft(q1, q2)
+
+    def propose(gen):
+        reqs = [DraftRequest(i, [0], 2, gen, min_prob=floor) for i in range(N_SAMPLES)]
+        prop = drafter.propose(reqs, sp)
+        return prop.tokens, prop.probs
+
+    first, second, lengths = _gated_outputs(propose, p, q1, q2, N_SAMPLES, seed=17)
+    assert lengths[0] == 0 and lengths[1] > 0.2 * N_SAMPLES and lengths[2] > 0.2 * N_SAMPLES, lengths
+    ok1, z1 = _within_bound(p[0], first)
+    ok2, z2 = _within_bound(p[1], second)
+    assert ok1, f"first token off by {z1:.1f} sigma"
+    assert ok2, f"second token off by {z2:.1f} sigma"
+
+
+def test_the_bound_catches_a_gate_that_looks_at_the_drawn_token():
+    """A wrong gate: draw the second draft token, then drop it when its own q is low."""
+    p_logits, q1, q2, _ = _gated_problem()
+    p = probs_from_logits(p_logits, SamplingParams(1.0))
+
+    def propose(gen):
+        drafts, qs = [], []
+        for _ in range(N_SAMPLES):
+            d1 = _draft_sample(q1, gen)
+            d2 = _draft_sample(q2[d1], gen)
+            if q2[d1, d2] < 0.3:
+                drafts.append([d1]), qs.append(q1[None])
+            else:
+                drafts.append([d1, d2]), qs.append(torch.stack((q1, q2[d1])))
+        return drafts, qs
+
+    _, second, lengths = _gated_outputs(propose, p, q1, q2, N_SAMPLES, seed=17)
+    assert lengths[1] > 0.1 * N_SAMPLES and lengths[2] > 0.1 * N_SAMPLES, lengths
+    ok, z = _within_bound(p[1], second)
+    assert not ok and z > 2 * SIGMAS, f"the wrong gate was off by only {z:.1f} sigma"

@@ -40,7 +40,7 @@ class DistillSettings:
     sizes: tuple[DraftArch, ...]
     heldout: tuple[str, ...] = ()
     max_tokens: int = 128
-    slots: int = 16
+    slots: int = 32
     vocab: int = 8192
     topk: int = 16
     device: str = "auto"

@@ -18,6 +18,10 @@ class DraftRequest:
     tokens: list[int]  # committed tokens: prompt + generated; the last one is not yet in the target cache
     gamma: int  # tokens asked for (>= 1); a drafter may propose fewer
     gen: torch.Generator | None  # the request's random stream (sampling only)
+    # Confidence floor: a drafter that knows its own distribution (a model) stops the chain before
+    # a position where the product of its top probabilities would fall below this. The test uses
+    # only the draft distributions, never the sampled token, so it keeps sampling exact. 0: off.
+    min_prob: float = 0.0
 
 
 @dataclass
@@ -30,6 +34,7 @@ class Drafter(ABC):
     """A source of draft tokens. Per-slot state, if any, is keyed by the batch slot index."""
 
     kind: str = ""
+    gates = False  # honours DraftRequest.min_prob (a drafter that knows its own distribution)
     # A models.draft.TargetFeatures the loop fills at every target forward, for drafters that read
     # the target's hidden states; None for the others.
     features = None

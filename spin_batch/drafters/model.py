@@ -20,6 +20,7 @@ from .base import Drafter, DraftRequest, Proposal
 
 class ModelDrafter(Drafter):
     kind = "model"
+    gates = True
 
     def __init__(self, name: str, model: LlamaModel, cache: KVCache, num_layers: int | None = None):
         super().__init__(name)
@@ -48,23 +49,40 @@ class ModelDrafter(Drafter):
         # Round 0 feeds what each slot's cache has not seen; later rounds feed the last draft token.
         starts, feeds, extras = self._catch_up(reqs)
         live = list(range(len(reqs)))
+        conf = [1.0] * len(reqs)  # product of the draft's top probabilities along each chain
         while live:
             seg = Segments.build([(reqs[i].slot, len(feeds[i]), starts[i]) for i in live], self.model.device)
             flat = torch.tensor([t for i in live for t in feeds[i]], dtype=torch.long, device=self.model.device)
             logits, nxt = self._step(flat, seg, None if extras is None else torch.cat([extras[i] for i in live]))
-            picks = self._pick(logits, [reqs[i] for i in live], sp, [qs[i] for i in live])
-            still = []
+            top = self._top_prob(logits, sp) if any(reqs[i].min_prob > 0 for i in live) else None
+            keep = []
             for j, i in enumerate(live):
                 self._seen(reqs[i], starts[i] + len(feeds[i]), first=not drafts[i])
-                drafts[i].append(picks[j])
+                if top is not None and reqs[i].min_prob > 0:
+                    conf[i] *= top[j]
+                    if conf[i] < reqs[i].min_prob:
+                        continue  # decided from q alone, before any token is drawn from it
+                keep.append(j)
+            picks = self._pick(logits[keep] if len(keep) < len(live) else logits,
+                               [reqs[live[j]] for j in keep], sp, [qs[live[j]] for j in keep])
+            still = []
+            for pick, j in zip(picks, keep):
+                i = live[j]
+                drafts[i].append(pick)
                 if len(drafts[i]) < reqs[i].gamma:
                     starts[i] += len(feeds[i])
-                    feeds[i] = [picks[j]]
+                    feeds[i] = [pick]
                     if extras is not None:
                         extras[i] = nxt[j : j + 1]
                     still.append(i)
             live = still
-        return Proposal(drafts, [None if sp.greedy else torch.stack(q) for q in qs])
+        return Proposal(drafts, [None if sp.greedy or not q else torch.stack(q) for q in qs])
+
+    @staticmethod
+    def _top_prob(logits: torch.Tensor, sp: SamplingParams) -> list[float]:
+        """Per row, the draft's largest probability: of its greedy pick, or the mode of the q it samples from."""
+        probs = logits.float().softmax(-1) if sp.greedy else probs_from_logits(logits, sp)
+        return probs.max(-1).values.tolist()
 
     def _catch_up(self, reqs: list[DraftRequest]) -> tuple[list[int], list[list[int]], list[torch.Tensor] | None]:
         """Per request: the first cache position to write, the tokens to feed there, and extra inputs."""

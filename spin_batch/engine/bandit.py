@@ -13,6 +13,15 @@ when every slot picks argmax over (d, g) of E(g, a_d) - lam * marginal_cost(d, g
 is the current goodput (tokens per second). That makes gamma 0 win as soon as verification
 of extra tokens costs more than they bring, e.g. at large batch.
 
+Confidence gate (drafters that know their own distribution: the model drafters). Gamma is
+then a cap: the slot's chain also stops before a position where the product of the draft's
+top probabilities falls below the cost of one more verified token, in tokens (lam times its
+marginal cost). A token the draft is unsure of is thus never paid for, which is what lets
+drafting pay at large batch, where every verified token costs the whole batch. The bandit
+still judges the arm by what it asked for (a gated stop ends the chain like a rejection), and
+prices it by what it proposes: a pooled per-drafter rate c at which a chain goes on to its
+next token, so a gated chain of cap g costs E(g, c) - 1 verified tokens instead of g.
+
 Warm start: new requests start from the pooled posterior of all requests so far, scaled
 down to a few pseudo-observations, so short requests do not pay for exploration.
 """
@@ -116,11 +125,13 @@ class RequestArms:
 
 @dataclass
 class BanditPolicy(Policy):
-    """`ucb` (optimistic acceptance), `thompson` (sampled acceptance) or `round_robin`."""
+    """`ucb` (optimistic acceptance), `thompson` (sampled acceptance), `round_robin`, or `fixed` (the one
+    drafter given, at max_gamma: the policy only prices its confidence floor)."""
 
     drafters: list[str]
     max_gamma: int
     mode: str = "ucb"
+    gated: frozenset[str] = frozenset()  # drafters that honour Choice.min_prob (the confidence gate)
     seed: int = 0
     exploration: float = 0.5  # UCB bonus scale
     # chance per step that one slot tries a random gamma, so the cost model sees varied N. Per
@@ -132,10 +143,12 @@ class BanditPolicy(Policy):
     requests: dict[int, RequestArms] = field(default_factory=dict)  # by slot
 
     def __post_init__(self) -> None:
-        if self.mode not in ("ucb", "thompson", "round_robin"):
+        if self.mode not in ("ucb", "thompson", "round_robin", "fixed"):
             raise ValueError(f"unknown bandit mode {self.mode!r}")
         self.rng = random.Random(self.seed)
         self.pooled = {d: Beta(1.0, 1.0) for d in self.drafters}
+        # per gated drafter: proposed tokens (successes) against chains cut short (failures)
+        self.goes_on = {d: Beta(1.0, 1.0) for d in self.drafters if d in self.gated}
         self._rr = 0
 
     # -- per-request state ----------------------------------------------------------------
@@ -157,6 +170,11 @@ class BanditPolicy(Policy):
                     for s, c in zip(slots, caps)]
         _, c1 = self.cost.verify_coeffs()
         lam = self.cost.goodput.value
+        if self.mode == "fixed":  # one drafter at the configured gamma; only its confidence floor is priced
+            name = self.drafters[0]
+            known = self.cost.goodput.seen and self.cost.measured(name)
+            floor = self._floor(name, self._per_token(name, c1, lam)) if known else 0.0
+            return [Choice(name, min(cap, self.max_gamma), floor) if cap > 0 else NO_SPEC for cap in caps]
         # a drafter whose cost is still unknown is tried by one slot, with a short draft: trying
         # it on every slot at once could stall the whole batch behind an expensive drafter
         unmeasured = [d for d in self.drafters if not self.cost.measured(d)]
@@ -187,13 +205,14 @@ class BanditPolicy(Policy):
         # the drafter: best value at its optimistic (ucb) or sampled (thompson) acceptance rate
         drafter, top = None, -math.inf
         for d, arm in req.arms.items():
-            value, _ = self._best_gamma(self._rate(arm, req.steps), lam * (c1 + self.cost.draft_cost(d)), cap)
+            value, _ = self._best_gamma(self._rate(arm, req.steps), self._per_token(d, c1, lam), cap, self._goes_on(d))
             if value > top:
                 drafter, top = d, value
         # its gamma, 0 included: from the posterior mean, so optimism does not buy speculation
         mean = req.arms[drafter].mean
-        value, g = self._best_gamma(mean, lam * (c1 + self.cost.draft_cost(drafter)), cap)
-        best = Choice(drafter, g) if g else NO_SPEC
+        per_token = self._per_token(drafter, c1, lam)
+        value, g = self._best_gamma(mean, per_token, cap, self._goes_on(drafter))
+        best = Choice(drafter, g, self._floor(drafter, per_token)) if g else NO_SPEC
         if explore:
             # vary gamma only, with the chosen drafter or else the cheapest one: exploring an
             # expensive drafter would make the whole batch wait for its draft rounds
@@ -201,15 +220,32 @@ class BanditPolicy(Policy):
             if not self.cost.measured(name):
                 return best
             g = self.rng.randint(0, cap)
-            return Choice(name, g) if g else NO_SPEC
+            return Choice(name, g) if g else NO_SPEC  # ungated: the cost model must see N vary
         return best
 
+    def _per_token(self, drafter: str, c1: float, lam: float) -> float:
+        """What one more drafted-and-verified token costs, in tokens of the batch's goodput."""
+        return lam * (c1 + self.cost.draft_cost(drafter))
+
+    def _goes_on(self, drafter: str) -> float | None:
+        """For a gated drafter, the pooled rate at which its chain proposes its next token; None: ungated."""
+        b = self.goes_on.get(drafter)
+        return None if b is None else b.mean
+
+    def _floor(self, drafter: str, per_token: float) -> float:
+        """The confidence gate for this drafter: a position must be worth its cost (0: ungated)."""
+        return min(per_token, 1.0) if drafter in self.goes_on else 0.0
+
     @staticmethod
-    def _best_gamma(a: float, per_token: float, cap: int) -> tuple[float, int]:
-        """max over g in 0..cap of E(g, a) - per_token * g, and its g (gamma 0 is worth 1)."""
+    def _best_gamma(a: float, per_token: float, cap: int, goes_on: float | None = None) -> tuple[float, int]:
+        """max over g in 0..cap of E(g, a) - per_token * (tokens proposed), and its g (gamma 0 is worth 1).
+
+        An ungated drafter proposes g tokens; a gated one E(g, goes_on) - 1 on average.
+        """
         best_value, best_g = 1.0, 0
         for g in range(1, cap + 1):
-            value = expected_gain(g, a) - per_token * g
+            proposed = g if goes_on is None else expected_gain(g, goes_on) - 1.0
+            value = expected_gain(g, a) - per_token * proposed
             if value > best_value:
                 best_value, best_g = value, g
         return best_value, best_g
@@ -249,3 +285,5 @@ class BanditPolicy(Policy):
             if req is not None:
                 req.arms[o.choice.drafter].observe(o.choice.gamma, o.accepted)
             self.pooled[o.choice.drafter].observe(o.choice.gamma, o.accepted)
+            if o.choice.min_prob > 0 and o.choice.drafter in self.goes_on:
+                self.goes_on[o.choice.drafter].observe(o.choice.gamma, o.drafted)

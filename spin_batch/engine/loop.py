@@ -230,7 +230,8 @@ class BatchLoop:
             if c.drafter is not None and c.gamma > 0:
                 by_drafter.setdefault(c.drafter, []).append(i)
         for name, idxs in by_drafter.items():
-            reqs = [DraftRequest(decode[i].index, decode[i].tokens, choices[i].gamma, decode[i].gen) for i in idxs]
+            reqs = [DraftRequest(decode[i].index, decode[i].tokens, choices[i].gamma, decode[i].gen, choices[i].min_prob)
+                    for i in idxs]
             t0 = time.perf_counter()
             prop = self.drafters[name].propose(reqs, self.cfg.sampling)
             seconds[name] = time.perf_counter() - t0

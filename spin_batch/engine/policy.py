@@ -1,7 +1,8 @@
 """Selection: which drafter, and how many draft tokens (gamma), each slot uses at a step.
 
-Selectors: `none` (plain decoding), `fixed:<name>` (one drafter, the configured gamma), and
-the SPIN bandits `ucb`, `thompson`, `round_robin` (engine/bandit.py).
+Selectors: `none` (plain decoding), `fixed:<name>` (one drafter, the configured gamma; a model
+drafter also gets the confidence floor, priced like the bandits'), and the SPIN bandits `ucb`,
+`thompson`, `round_robin` (engine/bandit.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 class Choice:
     drafter: str | None  # None: no speculation this step
     gamma: int  # draft tokens asked for; 0 with drafter None
+    min_prob: float = 0.0  # the drafter's confidence floor (DraftRequest.min_prob); 0: draft all gamma
 
 
 @dataclass
@@ -64,18 +66,25 @@ class FixedDrafter(Policy):
         return [Choice(self.drafter, min(self.gamma, c)) if c > 0 else NO_SPEC for c in caps]
 
 
-def make_policy(selector: str, drafter_names: list[str], max_gamma: int, seed: int = 0) -> Policy:
+def make_policy(selector: str, drafters, max_gamma: int, seed: int = 0, confidence_gate: bool = True) -> Policy:
+    """`drafters`: the loop's drafters by name, or bare names (then none is gated). With confidence_gate,
+    the bandits give the drafters that honour Choice.min_prob (`gates`) a floor priced by their cost model."""
+    from .bandit import BanditPolicy  # imports this module
+
+    drafter_names = list(drafters)
+    gated = frozenset(n for n, d in drafters.items() if d.gates) \
+        if confidence_gate and isinstance(drafters, dict) else frozenset()
     if selector == "none":
         return NoSpeculation()
     if selector in ("ucb", "thompson", "round_robin"):
-        from .bandit import BanditPolicy
-
         if not drafter_names:
             return NoSpeculation()
-        return BanditPolicy(list(drafter_names), max_gamma, mode=selector, seed=seed)
+        return BanditPolicy(drafter_names, max_gamma, mode=selector, seed=seed, gated=gated)
     if selector.startswith("fixed:"):
         name = selector.split(":", 1)[1]
         if name not in drafter_names:
             raise ValueError(f"selector {selector!r}: no drafter named {name!r} (have: {', '.join(drafter_names)})")
+        if name in gated:  # a model drafter: the bandit's cost model sets its confidence floor
+            return BanditPolicy([name], max_gamma, mode="fixed", seed=seed, gated=gated)
         return FixedDrafter(name, max_gamma)
     raise ValueError(f"unknown selector {selector!r}")
