@@ -240,6 +240,38 @@ def test_ngram_lookup():
     assert lookup([1, 2, 8, 2, 7, 1, 2], gamma=1, min_ngram=1, max_ngram=2) == [8]
 
 
+def test_ngram_gate_learns_its_acceptance_per_match_length():
+    d = NgramDrafter("ngram", 1, 3)
+    sp = SamplingParams()
+    text = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # a 3-gram match: drafts 4, 5, 6
+    assert d.propose([DraftRequest(0, text, 3, None)], sp).tokens == [[4, 5, 6]]
+    d.on_commit(0, text + [4, 5, 6, 9])  # all three accepted, then a bonus token
+    assert d.rate(3) == pytest.approx(6 / 7)  # prior 3:1, then 3 accepted
+    assert d.propose([DraftRequest(0, text, 3, None)], sp).tokens == [[4, 5, 6]]
+    d.on_commit(0, text + [4, 7])  # one accepted, then a correction
+    assert d.rate(3) == pytest.approx(7 / 9)
+    # a floor of 0.5 keeps l tokens while (7/9)^l >= 0.5: two of them
+    assert d.propose([DraftRequest(0, text, 3, None)], sp).tokens == [[4, 5, 6]]  # ungated: all
+    d.on_admit(0)  # a new request: the pending draft is dropped, the statistics stay
+    assert d.propose([DraftRequest(0, text, 3, None, min_prob=0.5)], sp).tokens == [[4, 5]]
+    # a 1-gram match still has the prior rate 0.75: two tokens at floor 0.5, none at 0.8
+    one = [7, 8, 9, 7]
+    assert d.propose([DraftRequest(1, one, 3, None, min_prob=0.5)], sp).tokens == [[8, 9]]
+    assert d.propose([DraftRequest(1, one, 3, None, min_prob=0.8)], sp).tokens == [[]]
+
+
+@pytest.mark.parametrize("slots", [1, 8])
+def test_confidence_gated_ngram_equals_autoregressive(target, reference, slots):
+    ungated = make_loop(target, slots, GatedFixed("ngram", 0.0), [ngram])
+    assert run(ungated) == reference
+    gated = make_loop(target, slots, GatedFixed("ngram", 0.6), [ngram])
+    assert run(gated) == reference
+    drafter = gated.drafters["ngram"]
+    assert sum(a + r for a, r in drafter.outcomes.values()) > 2 * len(drafter.outcomes)  # it learned
+    got, all_ = (lp.stats.summary()["drafters"]["ngram"]["draft_tokens"] for lp in (gated, ungated))
+    assert got < all_
+
+
 @pytest.mark.parametrize("selector", ["ucb", "thompson", "round_robin", "none"])
 def test_bandit_selectors_equal_autoregressive(target, reference, tiny_draft_dir, selector):
     from spin_batch.engine.policy import make_policy
