@@ -109,5 +109,5 @@ def test_spin_nogate_turns_the_confidence_gate_off(job, monkeypatch):
     monkeypatch.setattr(bench, "make_policy", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     runs = bench.run_bench(job, ["autoregressive", "spin", "spin-nogate"], [2], limit=None, repeat=1, progress=False)
     assert bench.mismatches(runs) == []
-    # spin gives the model drafter (exit2) a confidence floor; spin-nogate gives none
-    assert [p.gated for p in made if hasattr(p, "gated")] == [frozenset({"exit2"}), frozenset()]
+    # spin gives both drafters (a model and an n-gram drafter) a confidence floor; spin-nogate none
+    assert [p.gated for p in made if hasattr(p, "gated")] == [frozenset({"exit2", "ngram"}), frozenset()]
