@@ -1,6 +1,6 @@
 """Selection: which drafter, and how many draft tokens (gamma), each slot uses at a step.
 
-Selectors: `none` (plain decoding), `fixed:<name>` (one drafter, the configured gamma; a model
+Selectors: `none` (plain decoding), `fixed:<name>` (one drafter, the configured gamma; a gated
 drafter also gets the confidence floor, priced like the bandits'), and the SPIN bandits `ucb`,
 `thompson`, `round_robin` (engine/bandit.py).
 """
@@ -84,7 +84,7 @@ def make_policy(selector: str, drafters, max_gamma: int, seed: int = 0, confiden
         name = selector.split(":", 1)[1]
         if name not in drafter_names:
             raise ValueError(f"selector {selector!r}: no drafter named {name!r} (have: {', '.join(drafter_names)})")
-        if name in gated:  # a model drafter: the bandit's cost model sets its confidence floor
+        if name in gated:  # the bandit's cost model sets its confidence floor
             return BanditPolicy([name], max_gamma, mode="fixed", seed=seed, gated=gated)
         return FixedDrafter(name, max_gamma)
     raise ValueError(f"unknown selector {selector!r}")
