@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not importable")
 
 from spin_batch.engine.sampling import SamplingParams, probs_from_logits  # noqa: E402
-from spin_batch.engine.verify import accept_greedy  # noqa: E402
+from spin_batch.engine.verify import accept_fused, accept_greedy  # noqa: E402
 from spin_batch.kernels import (  # noqa: E402
     accept,
     accept_ref,
@@ -350,6 +350,58 @@ def test_accept_no_segments_and_bad_inputs():
         accept(**{**kw, "u": None}, temperature=1.0)
     with pytest.raises(ValueError, match="draft_probs"):
         accept(**{**kw, "draft_probs": torch.zeros(3, 3, device=DEVICE)}, temperature=1.0)
+
+
+# -- the loop's fused accept (engine.verify.accept_fused) --------------------------------------
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_accept_fused_greedy_equals_accept_greedy(ties):
+    import spin_batch.kernels as K
+
+    kw, drafts = _accept_inputs(40 + ties, ties=ties, agree=0.85)
+    want = accept_greedy(kw["target_logits"], drafts)
+    got = accept_fused(K, kw["target_logits"], drafts, None, None, SamplingParams())
+    assert got == want
+    assert any(a == len(d) and len(d) > 0 for a, d in zip(want.accepted, drafts))
+    assert any(a < len(d) for a, d in zip(want.accepted, drafts))
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(1.0), SamplingParams(0.8, top_k=4)], ids=["plain", "top_k"])
+def test_accept_fused_sampling_is_exact(sp):
+    """One launch over many one-token drafts, alternately with q (a model draft) and without (an
+    n-gram draft, q one-hot inside accept_fused): the first new token of each must be
+    distributed as the target's p, whatever q was (the drafts are drawn from q, or fixed)."""
+    import spin_batch.kernels as K
+
+    g = _gen(7)
+    V, n = 6, 600  # the interpreter runs each segment's program in Python: keep n small
+    logits = torch.randn(2, V, generator=g) * 1.5
+    p = probs_from_logits(logits[:1], sp)[0]
+    q_row = torch.softmax(torch.randn(V, generator=g), -1)
+    drafts, probs = [], []
+    for i in range(n):
+        if i % 3 == 2:
+            drafts.append([]), probs.append(None)  # a plain decode row: drawn from p
+        elif i % 3 == 0:
+            drafts.append([int(torch.multinomial(q_row, 1, generator=g))]), probs.append(q_row[None])
+        else:
+            drafts.append([2]), probs.append(None)  # deterministic
+    rows = torch.cat([logits[: len(d) + 1] if d else logits[:1] for d in drafts]).to(DEVICE)
+    gens = [_gen(100 + i) for i in range(n)]
+    v = accept_fused(K, rows, drafts, probs, gens, sp)
+    assert [len(t) for t in v.tokens] == [k + 1 for k in v.accepted]
+    assert all(t[: k] == d[: k] for t, k, d in zip(v.tokens, v.accepted, drafts))
+    for kind in range(3):
+        first = torch.tensor([v.tokens[i][0] for i in range(kind, n, 3)])
+        freq = torch.bincount(first, minlength=V).float() / len(first)
+        assert (freq - p).abs().max() < 4 * (0.25 / len(first)) ** 0.5, (kind, freq, p)
+        assert freq[p == 0].sum() == 0, "a filtered token was drawn"
+    # the same streams give the same verdicts
+    m = 30
+    again = accept_fused(K, rows[: sum(len(d) + 1 for d in drafts[:m])], drafts[:m], probs[:m],
+                         [_gen(100 + i) for i in range(m)], sp)
+    assert again.tokens == v.tokens[:m]
 
 
 # -- dispatch switches -----------------------------------------------------------------------

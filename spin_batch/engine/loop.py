@@ -25,7 +25,7 @@ from ..models.segments import Segments
 from ..stats import RunStats, StepRecord
 from .policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
 from .sampling import SamplingParams, make_generator
-from .verify import Verdict, accept_greedy, accept_sampling
+from .verify import Verdict, accept_fused, accept_greedy, accept_sampling
 
 
 @dataclass(frozen=True)
@@ -277,10 +277,14 @@ class BatchLoop:
     def accept(self, plan: Plan, proposal: Proposal, logits: torch.Tensor) -> Verdict:
         """Verdicts for decoding slots, then one per finishing prefill (an empty draft)."""
         drafts = plan.drafts + [[] for _ in plan.finishing]
+        kernels = getattr(self.target, "kernels", None)  # the Triton path (CUDA, or forced on)
         if self.cfg.sampling.greedy:
-            return accept_greedy(logits, drafts)
+            return accept_fused(kernels, logits, drafts, None, None, self.cfg.sampling) if kernels \
+                else accept_greedy(logits, drafts)
         probs = proposal.probs + [None for _ in plan.finishing]
         gens = [s.gen for s in plan.decode] + [s.gen for s in plan.finishing]
+        if kernels:
+            return accept_fused(kernels, logits, drafts, probs, gens, self.cfg.sampling)
         return accept_sampling(logits, drafts, probs, gens, self.cfg.sampling)
 
     def commit(self, plan: Plan, verdict: Verdict) -> int:

@@ -14,6 +14,7 @@ rows of segment i are rows [row_offsets[i], row_offsets[i] + gamma_i + 1).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -77,3 +78,41 @@ def _accept_one(p: torch.Tensor, d: list[int], q: torch.Tensor | None, gen: torc
         # p == q leaves no residual mass; rejection then has probability 0, but guard rounding.
         return i, sample(residual / total if total > 0 else p[i], gen)
     return len(d), sample(p[len(d)], gen)
+
+
+def accept_fused(
+    kernels,  # spin_batch.kernels
+    target_logits: torch.Tensor,  # [R, V]
+    drafts: list[list[int]],  # [S]
+    draft_probs: list[torch.Tensor | None] | None,  # [S] as in accept_sampling; None when greedy
+    gens: list[torch.Generator] | None,  # [S]; None when greedy
+    sp: SamplingParams,
+) -> Verdict:
+    """The same verdicts from the Triton accept kernel: every segment in one launch, one host read.
+
+    Greedy: identical to accept_greedy. Sampling: the same rule as accept_sampling, exact in
+    distribution, but it consumes each request's random stream differently (all its accept
+    uniforms, then one for the next token), so a seed does not give the torch path's text.
+    """
+    dev = target_logits.device
+    lens = [len(d) for d in drafts]
+    d_off = torch.tensor([0, *accumulate(lens)], dtype=torch.long, device=dev)
+    r_off = torch.tensor([0, *accumulate(n + 1 for n in lens)], dtype=torch.long, device=dev)
+    flat = torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=dev)
+    if sp.greedy:
+        acc, nxt = kernels.accept(target_logits.contiguous(), flat, d_off, r_off)
+    else:
+        # the kernel applies only a temperature: top-k / top-p go in as log-probs (-inf where filtered)
+        logits = probs_from_logits(target_logits, sp).log()
+        q = None
+        if any(x is not None for x in draft_probs):
+            # a deterministic draft is q one-hot: the same accept test and residual as q None
+            V = target_logits.shape[1]
+            q = torch.cat([x.to(dev, torch.float32) if x is not None
+                           else torch.nn.functional.one_hot(torch.tensor(d, dtype=torch.long), V).to(dev, torch.float32)
+                           for d, x in zip(drafts, draft_probs) if d]).contiguous() if flat.numel() else None
+        u = torch.cat([torch.rand(n, generator=g) for n, g in zip(lens, gens)]).to(dev)
+        u2 = torch.cat([torch.rand(1, generator=g) for g in gens]).to(dev)
+        acc, nxt = kernels.accept(logits, flat, d_off, r_off, q, u, u2, 1.0)
+    accepted, last = torch.stack([acc, nxt]).tolist()  # the one host sync
+    return Verdict(accepted, [d[:k] + [t] for d, k, t in zip(drafts, accepted, last)])
