@@ -332,6 +332,26 @@ def test_kernels_forced_on_equal_autoregressive(kernel_target, reference, tiny_d
     assert run(make_loop(kernel_target, 3, MixedGamma(names), factories), KERNEL_PROMPTS) == want
 
 
+def test_kernels_forced_on_sampling_runs_the_fused_accept(kernel_target, tiny_draft_dir, monkeypatch):
+    """Sampling with kernels on goes through verify.accept_fused (q-drafts from a model drafter and
+    deterministic n-gram drafts in one launch); every request's stream makes it reproducible."""
+    from dataclasses import replace
+
+    from spin_batch.engine import loop as loop_module
+
+    calls = []
+    fused = loop_module.accept_fused
+    monkeypatch.setattr(loop_module, "accept_fused", lambda *a: calls.append(len(a[2])) or fused(*a))
+    outs = []
+    for _ in range(2):
+        lp = make_loop(kernel_target, 3, MixedGamma(["other", "ngram"]), [other_model_factory(tiny_draft_dir), ngram])
+        lp.cfg = replace(lp.cfg, sampling=SamplingParams(temperature=1.0, top_k=20))
+        outs.append(run(lp, KERNEL_PROMPTS))
+        assert lp.stats.summary()["drafters"]["other"]["draft_tokens"] > 0
+    assert outs[0] == outs[1]
+    assert calls and all(len(v) == MAX_TOKENS for v in outs[0].values())
+
+
 @pytest.mark.parametrize("slots", [3, 8])
 def test_pipelined_output_equals_unpipelined(target, reference, tiny_draft_dir, slots):
     """Two micro-batches (one drafts while the other verifies; sequential on CPU): same output."""
