@@ -104,13 +104,13 @@ def accept_fused(
     else:
         # the kernel applies only a temperature: top-k / top-p go in as log-probs (-inf where filtered)
         logits = probs_from_logits(target_logits, sp).log()
-        q = None
+        q = None  # one q for all segments or none: a deterministic draft then goes in as q one-hot,
+        # which gives the same accept test and residual as q None
         if any(x is not None for x in draft_probs):
-            # a deterministic draft is q one-hot: the same accept test and residual as q None
             V = target_logits.shape[1]
-            q = torch.cat([x.to(dev, torch.float32) if x is not None
-                           else torch.nn.functional.one_hot(torch.tensor(d, dtype=torch.long), V).to(dev, torch.float32)
-                           for d, x in zip(drafts, draft_probs) if d]).contiguous() if flat.numel() else None
+            rows = [x if x is not None else torch.nn.functional.one_hot(torch.tensor(d), V)
+                    for d, x in zip(drafts, draft_probs) if d]
+            q = torch.cat([r.to(dev, torch.float32) for r in rows])
         u = torch.cat([torch.rand(n, generator=g) for n, g in zip(lens, gens)]).to(dev)
         u2 = torch.cat([torch.rand(1, generator=g) for g in gens]).to(dev)
         acc, nxt = kernels.accept(logits, flat, d_off, r_off, q, u, u2, 1.0)
