@@ -165,7 +165,10 @@ def test_subset_head_proposes_only_kept_target_ids(tiny_distilled_plain, tiny_di
                 assert all(q[j, t] > 0 for j, t in enumerate(toks))
 
 
-def _two_jobs(tmp_path, tiny_dir, draft_dir, selector: str, temperature: float = 0.0, gate: bool = True):
+def _two_jobs(tmp_path, tiny_dir, draft_dir, selector: str):
+    """A plain job and a speculative one, ungated: the tiny drafts are too unsure of the random tiny
+    target for the confidence gate to let many chains through (tests/test_spec_equality.py covers
+    the gate), and here their drafts must reach the verifier."""
     prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": str(i), "prompt": p} for i, p in enumerate(TRAIN_PROMPTS)])
     out = {}
     for name, sel in (("ar", "none"), ("spec", selector)):
@@ -173,8 +176,8 @@ def _two_jobs(tmp_path, tiny_dir, draft_dir, selector: str, temperature: float =
             "input": {"paths": [str(prompts)]}, "output": {"dir": str(tmp_path / name)},
             "target": {"model": str(tiny_dir), "device": "cpu"},
             "drafters": [{"name": "trained", "kind": "model", "model": str(draft_dir)}, {"name": "ngram", "kind": "ngram"}],
-            "spin": {"selector": sel, "confidence_gate": gate}, "batch": {"slots": 3, "max_model_len": 128},
-            "sampling": {"max_tokens": 24, "temperature": temperature, "ignore_eos": True},
+            "spin": {"selector": sel, "confidence_gate": False}, "batch": {"slots": 3, "max_model_len": 128},
+            "sampling": {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True},
         })
         assert check_models(job) == []
         out[name] = run_job(job, progress=False).summary
@@ -188,10 +191,8 @@ def test_trained_draft_in_a_job_equals_autoregressive(tmp_path, tiny_distilled, 
     from spin_batch.io.writer import read_outputs
 
     settings, _ = tiny_distilled if draft == "features" else tiny_distilled_plain
-    # The tiny drafts are too unsure of the random tiny target for the confidence gate to let many chains
-    # through (tests/test_spec_equality.py covers the gate); here their drafts must reach the verifier.
     summaries = _two_jobs(tmp_path, tiny_dir, settings.out / ("d2x64" if draft == "features" else "d1x64"),
-                          selector, gate=False)
+                          selector)
     ar = dict(zip(*read_outputs(tmp_path / "ar").select("id", "text").to_dict(as_series=False).values()))
     spec = dict(zip(*read_outputs(tmp_path / "spec").select("id", "text").to_dict(as_series=False).values()))
     assert spec == ar and len(ar) == len(TRAIN_PROMPTS)

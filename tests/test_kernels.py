@@ -387,7 +387,7 @@ def test_accept_fused_sampling_is_exact(sp):
             drafts.append([int(torch.multinomial(q_row, 1, generator=g))]), probs.append(q_row[None])
         else:
             drafts.append([2]), probs.append(None)  # deterministic
-    rows = torch.cat([logits[: len(d) + 1] if d else logits[:1] for d in drafts]).to(DEVICE)
+    rows = torch.cat([logits[: len(d) + 1] for d in drafts]).to(DEVICE)
     gens = [_gen(100 + i) for i in range(n)]
     v = accept_fused(K, rows, drafts, probs, gens, sp)
     assert [len(t) for t in v.tokens] == [k + 1 for k in v.accepted]

@@ -341,7 +341,7 @@ def test_kernels_forced_on_sampling_runs_the_fused_accept(kernel_target, tiny_dr
 
     calls = []
     fused = loop_module.accept_fused
-    monkeypatch.setattr(loop_module, "accept_fused", lambda *a: calls.append(len(a[2])) or fused(*a))
+    monkeypatch.setattr(loop_module, "accept_fused", lambda *a: calls.append(a[5]) or fused(*a))
     outs = []
     for _ in range(2):
         lp = make_loop(kernel_target, 3, MixedGamma(["other", "ngram"]), [other_model_factory(tiny_draft_dir), ngram])
@@ -349,7 +349,8 @@ def test_kernels_forced_on_sampling_runs_the_fused_accept(kernel_target, tiny_dr
         outs.append(run(lp, KERNEL_PROMPTS))
         assert lp.stats.summary()["drafters"]["other"]["draft_tokens"] > 0
     assert outs[0] == outs[1]
-    assert calls and all(len(v) == MAX_TOKENS for v in outs[0].values())
+    assert calls and all(not sp.greedy for sp in calls)
+    assert all(len(v) == MAX_TOKENS for v in outs[0].values())
 
 
 @pytest.mark.parametrize("slots", [3, 8])

@@ -93,26 +93,33 @@ def accept_fused(
     Greedy: identical to accept_greedy. Sampling: the same rule as accept_sampling, exact in
     distribution, but it consumes each request's random stream differently (all its accept
     uniforms, then one for the next token), so a seed does not give the torch path's text.
+    Inputs go up in one asynchronous copy each, so the host waits only for the verdicts.
     """
     dev = target_logits.device
-    lens = [len(d) for d in drafts]
-    d_off = torch.tensor([0, *accumulate(lens)], dtype=torch.long, device=dev)
-    r_off = torch.tensor([0, *accumulate(n + 1 for n in lens)], dtype=torch.long, device=dev)
-    flat = torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=dev)
+    S, lens = len(drafts), [len(d) for d in drafts]
+    d_off = [0, *accumulate(lens)]
+    index = _upload(torch.tensor(d_off + [0, *accumulate(n + 1 for n in lens)] + [t for d in drafts for t in d]), dev)
+    d_off_t, r_off_t, flat = index[: S + 1], index[S + 1 : 2 * S + 2], index[2 * S + 2 :]
     if sp.greedy:
-        acc, nxt = kernels.accept(target_logits.contiguous(), flat, d_off, r_off)
+        acc, nxt = kernels.accept(target_logits.contiguous(), flat, d_off_t, r_off_t)
     else:
         # the kernel applies only a temperature: top-k / top-p go in as log-probs (-inf where filtered)
         logits = probs_from_logits(target_logits, sp).log()
-        q = None  # one q for all segments or none: a deterministic draft then goes in as q one-hot,
-        # which gives the same accept test and residual as q None
+        # One q for all segments or none. A deterministic draft goes in as q one-hot, which gives
+        # the same accept test and residual as q None.
+        q = None
         if any(x is not None for x in draft_probs):
-            V = target_logits.shape[1]
-            rows = [x if x is not None else torch.nn.functional.one_hot(torch.tensor(d), V)
-                    for d, x in zip(drafts, draft_probs) if d]
-            q = torch.cat([r.to(dev, torch.float32) for r in rows])
-        u = torch.cat([torch.rand(n, generator=g) for n, g in zip(lens, gens)]).to(dev)
-        u2 = torch.cat([torch.rand(1, generator=g) for g in gens]).to(dev)
-        acc, nxt = kernels.accept(logits, flat, d_off, r_off, q, u, u2, 1.0)
+            q = torch.zeros(len(flat), target_logits.shape[1], device=dev).scatter_(1, flat[:, None], 1.0)
+            for start, x in zip(d_off, draft_probs):
+                if x is not None:
+                    q[start : start + len(x)] = x
+        randoms = _upload(torch.cat([torch.rand(n, generator=g) for n, g in zip(lens, gens)]
+                                    + [torch.rand(1, generator=g) for g in gens]), dev)
+        acc, nxt = kernels.accept(logits, flat, d_off_t, r_off_t, q, randoms[: d_off[-1]], randoms[d_off[-1]:], 1.0)
     accepted, last = torch.stack([acc, nxt]).tolist()  # the one host sync
     return Verdict(accepted, [d[:k] + [t] for d, k, t in zip(drafts, accepted, last)])
+
+
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to CUDA from pinned memory without waiting for the copy."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
