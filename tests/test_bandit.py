@@ -174,3 +174,15 @@ def test_only_gated_drafters_get_a_floor():
     g_picks = [c for c in picks if c.drafter == "g" and c.gamma]
     assert sum(c.min_prob > 0 for c in g_picks) >= 0.9 * len(g_picks)
     assert all(c.min_prob == 0 for c in picks if c.drafter != "g")
+
+
+def test_assigned_mode_runs_each_request_on_its_own_drafter():
+    policy = make_policy("ucb", ["ngram", "d1"], 4, assign={"a": "d1", "b": None})
+    for slot, rid in enumerate(["a", "b", "c"]):
+        policy.on_admit(slot, rid)
+    got = policy.choose([0, 1, 2], [4, 4, 2])
+    assert [(c.drafter, c.gamma) for c in got] == [("d1", 4), (None, 0), (None, 0)]
+    policy.on_admit(0, "b")  # the slot's next request has its own assignment
+    assert policy.choose([0], [4])[0].drafter is None
+    with pytest.raises(ValueError, match="not in the pool"):
+        make_policy("ucb", ["ngram"], 4, assign={"a": "d9"})

@@ -34,7 +34,8 @@ def runs(job):
 def test_table_has_every_method_and_slot_count(runs):
     rows = bench.table(runs)
     got = {(r["method"], r["slots"]) for r in rows}
-    methods = ["hf_generate", "autoregressive", "fixed:ngram", "fixed:exit2", "spin", "spin-nopipe", "oracle"]
+    methods = ["hf_generate", "autoregressive", "fixed:ngram", "fixed:exit2", "spin", "spin-nopipe", "oracle",
+               "oracle-bound"]
     assert got == {(m, s) for m in methods for s in (1, 2)}
     for r in rows:
         assert r["repeats"] == 2 and r["tokens_per_s"] > 0
@@ -100,7 +101,30 @@ def test_humaneval_prompts_come_from_the_installed_package():
 
 def test_regret_lines(runs):
     lines = bench.regret(bench.table(runs))
-    assert len(lines) == 2 and "x best fixed" in lines[0] and "x oracle" in lines[0]
+    assert len(lines) == 2 and "x best fixed" in lines[0] and "x oracle," in lines[0] and "x oracle bound" in lines[0]
+
+
+def test_the_oracle_is_run_with_each_request_on_its_hindsight_method(runs):
+    for r in (r for r in runs if r.method == "oracle"):
+        bound = next(b for b in runs if b.method == "oracle-bound" and (b.slots, b.repeat) == (r.slots, r.repeat))
+        assign = bound.summary["oracle_assign"]
+        assert set(assign) == set(r.tokens) == {str(i) for i in range(len(PROMPTS))}
+        # a real run: its own wall time, and only the assigned drafters ever drafted
+        assert r.wall_s != bound.wall_s and r.share_s
+        drafted = {d for d, v in r.summary["drafters"].items() if d != "none" and v["spec_steps"]}
+        assert drafted <= {d for d in assign.values() if d is not None}
+        assert r.summary["oracle_choices"] == bound.summary["oracle_choices"]
+
+
+def test_an_all_autoregressive_assignment_never_drafts(job):
+    from spin_batch.runner import build_engine
+
+    engine = build_engine(job)
+    data = bench.load_bench_input(job, engine, None)
+    assign = {r.id: None for r in data.requests}
+    run = bench.run_loop(engine, "ucb", 4, data, 2, 0, "oracle", False, assign=assign)
+    assert sum(v["spec_steps"] for d, v in run.summary["drafters"].items() if d != "none") == 0
+    assert len(run.tokens) == len(PROMPTS)
 
 
 def test_spin_nogate_turns_the_confidence_gate_off(job, monkeypatch):

@@ -125,8 +125,9 @@ class RequestArms:
 
 @dataclass
 class BanditPolicy(Policy):
-    """`ucb` (optimistic acceptance), `thompson` (sampled acceptance), `round_robin`, or `fixed` (the one
-    drafter given, at max_gamma: the policy only prices its confidence floor)."""
+    """`ucb` (optimistic acceptance), `thompson` (sampled acceptance), `round_robin`, `fixed` (the one
+    drafter given, at max_gamma: the policy only prices its confidence floor), or `assigned` (like
+    `fixed`, but each request runs the drafter `assign` maps its id to, or none)."""
 
     drafters: list[str]
     max_gamma: int
@@ -141,20 +142,23 @@ class BanditPolicy(Policy):
     cost: CostModel = field(default_factory=CostModel)
     pooled: dict[str, Beta] = field(default_factory=dict)
     requests: dict[int, RequestArms] = field(default_factory=dict)  # by slot
+    assign: dict[str, str | None] = field(default_factory=dict)  # mode `assigned`: request id -> drafter
 
     def __post_init__(self) -> None:
-        if self.mode not in ("ucb", "thompson", "round_robin", "fixed"):
+        if self.mode not in ("ucb", "thompson", "round_robin", "fixed", "assigned"):
             raise ValueError(f"unknown bandit mode {self.mode!r}")
         self.rng = random.Random(self.seed)
         self.pooled = {d: Beta(1.0, 1.0) for d in self.drafters}
         # per gated drafter: proposed tokens (successes) against chains cut short (failures)
         self.goes_on = {d: Beta(1.0, 1.0) for d in self.drafters if d in self.gated}
         self._rr = 0
+        self._slot_drafter: dict[int, str | None] = {}  # mode `assigned`: the drafter of each slot's request
 
     # -- per-request state ----------------------------------------------------------------
 
-    def on_admit(self, slot: int) -> None:
+    def on_admit(self, slot: int, req_id: str | None = None) -> None:
         """Warm start: the pooled posterior, shrunk to PRIOR_STRENGTH pseudo-tokens."""
+        self._slot_drafter[slot] = self.assign.get(req_id) if req_id is not None else None
         arms = {}
         for d, b in self.pooled.items():
             mean = b.mean if b.n > 2.0 else DEFAULT_RATE
@@ -171,10 +175,9 @@ class BanditPolicy(Policy):
         _, c1 = self.cost.verify_coeffs()
         lam = self.cost.goodput.value
         if self.mode == "fixed":  # one drafter at the configured gamma; only its confidence floor is priced
-            name = self.drafters[0]
-            known = self.cost.goodput.seen and self.cost.measured(name)
-            floor = self._floor(name, self._per_token(name, c1, lam)) if known else 0.0
-            return [Choice(name, min(cap, self.max_gamma), floor) if cap > 0 else NO_SPEC for cap in caps]
+            return [self._fixed(self.drafters[0], cap, c1, lam) for cap in caps]
+        if self.mode == "assigned":
+            return [self._fixed(self._slot_drafter.get(s), cap, c1, lam) for s, cap in zip(slots, caps)]
         # a drafter whose cost is still unknown is tried by one slot, with a short draft: trying
         # it on every slot at once could stall the whole batch behind an expensive drafter
         unmeasured = [d for d in self.drafters if not self.cost.measured(d)]
@@ -192,6 +195,14 @@ class BanditPolicy(Policy):
             else:
                 out.append(self._best(req, cap, c1, lam, explore=i == explorer))
         return out
+
+    def _fixed(self, name: str | None, cap: int, c1: float, lam: float) -> Choice:
+        """`name` at the configured gamma, with its priced confidence floor once its cost is known."""
+        if name is None or cap <= 0:
+            return NO_SPEC
+        known = self.cost.goodput.seen and self.cost.measured(name)
+        floor = self._floor(name, self._per_token(name, c1, lam)) if known else 0.0
+        return Choice(name, min(cap, self.max_gamma), floor)
 
     def _rate(self, arm: Beta, steps: int) -> float:
         if self.mode == "thompson":

@@ -117,7 +117,7 @@ class BatchLoop:
         self.slots[idx] = Slot(idx, req, len(prompt_ids), list(prompt_ids), gen)
         for d in self.drafters.values():
             d.on_admit(idx)
-        self.policy.on_admit(idx)
+        self.policy.on_admit(idx, req.id)
 
     @property
     def free_slots(self) -> int:

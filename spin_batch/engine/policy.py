@@ -45,8 +45,8 @@ class Policy:
         """One choice per slot; caps[i] bounds gamma for slot i (context and max_tokens room)."""
         raise NotImplementedError
 
-    def on_admit(self, slot: int) -> None:
-        pass
+    def on_admit(self, slot: int, req_id: str | None = None) -> None:
+        """A new request took `slot` (req_id: its id, for policies keyed by request)."""
 
     def learn(self, outcomes: list[Outcome], costs: StepCosts) -> None:
         pass
@@ -66,14 +66,24 @@ class FixedDrafter(Policy):
         return [Choice(self.drafter, min(self.gamma, c)) if c > 0 else NO_SPEC for c in caps]
 
 
-def make_policy(selector: str, drafters, max_gamma: int, seed: int = 0, confidence_gate: bool = True) -> Policy:
+def make_policy(selector: str, drafters, max_gamma: int, seed: int = 0, confidence_gate: bool = True,
+                assign: dict[str, str | None] | None = None) -> Policy:
     """`drafters`: the loop's drafters by name, or bare names (then none is gated). With confidence_gate,
-    the bandits give the drafters that honour Choice.min_prob (`gates`) a floor priced by their cost model."""
+    the bandits give the drafters that honour Choice.min_prob (`gates`) a floor priced by their cost model.
+
+    `assign` (the bench's realised oracle) overrides the selector: each request id runs its own fixed
+    drafter, or none (None or absent), exactly as `fixed:<name>` would run it.
+    """
     from .bandit import BanditPolicy  # imports this module
 
     drafter_names = list(drafters)
     gated = frozenset(n for n, d in drafters.items() if d.gates) \
         if confidence_gate and isinstance(drafters, dict) else frozenset()
+    if assign is not None:
+        unknown = sorted({n for n in assign.values() if n is not None} - set(drafter_names))
+        if unknown:
+            raise ValueError(f"assigned drafters {unknown} are not in the pool ({', '.join(drafter_names)})")
+        return BanditPolicy(drafter_names, max_gamma, mode="assigned", seed=seed, gated=gated, assign=assign)
     if selector == "none":
         return NoSpeculation()
     if selector in ("ucb", "thompson", "round_robin"):
