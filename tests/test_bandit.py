@@ -186,3 +186,30 @@ def test_assigned_mode_runs_each_request_on_its_own_drafter():
     assert policy.choose([0], [4])[0].drafter is None
     with pytest.raises(ValueError, match="not in the pool"):
         make_policy("ucb", ["ngram"], 4, assign={"a": "d9"})
+
+
+@pytest.mark.parametrize("gamma,goes_on", [(1, 0.5), (4, 0.0), (4, 0.3), (5, 0.8), (3, 1.0)])
+def test_chain_spend_matches_simulated_gated_chains(gamma, goes_on):
+    from spin_batch.engine.bandit import chain_spend
+
+    rng = random.Random(0)
+    n, proposed, ran = 20000, 0, 0
+    for _ in range(n):
+        k = 0
+        while k < gamma and rng.random() < goes_on:
+            k += 1
+        proposed += k
+        ran += min(k + 1, gamma)  # the position the gate stopped at was drafted too
+    want_p, want_r = chain_spend(gamma, goes_on)
+    assert proposed / n == pytest.approx(want_p, abs=0.05) and ran / n == pytest.approx(want_r, abs=0.05)
+    assert chain_spend(gamma, None) == (gamma, gamma)
+
+
+def test_the_position_a_gate_stopped_at_is_priced():
+    # a = 0.3, goes_on = 0.3, gamma 1: E = 1.3 tokens for 0.3 proposed but 1 position drafted.
+    # Charging the draft only for proposed tokens (1.3 - 0.4 * 0.3 = 1.18) would speculate; charging
+    # the position run too (1.3 - 0.1 * 0.3 - 0.3 * 1) is worth less than plain decoding.
+    assert BanditPolicy._best_gamma(0.3, 0.1, 0.3, 1, goes_on=0.3) == (1.0, 0)
+    # ungated, the same prices charge g tokens and g positions
+    value, g = BanditPolicy._best_gamma(0.6, 0.1, 0.05, 1)
+    assert g == 1 and value == pytest.approx(1.6 - 0.15)

@@ -20,7 +20,8 @@ marginal cost). A token the draft is unsure of is thus never paid for, which is 
 drafting pay at large batch, where every verified token costs the whole batch. The bandit
 still judges the arm by what it asked for (a gated stop ends the chain like a rejection), and
 prices it by what it proposes: a pooled per-drafter rate c at which a chain goes on to its
-next token, so a gated chain of cap g costs E(g, c) - 1 verified tokens instead of g.
+next token, so a gated chain of cap g costs E(g, c) - 1 verified tokens instead of g, and
+E(g, c) - c^g draft positions (the position the gate stopped at was drafted too).
 
 Warm start: new requests start from the pooled posterior of all requests so far, scaled
 down to a few pseudo-observations, so short requests do not pay for exploration.
@@ -44,6 +45,18 @@ def expected_gain(gamma: int, a: float) -> float:
         return 1.0
     a = min(max(a, 0.0), 0.999999)
     return (1.0 - a ** (gamma + 1)) / (1.0 - a)
+
+
+def chain_spend(gamma: int, goes_on: float | None) -> tuple[float, float]:
+    """Expected (tokens proposed, draft positions run) of a chain capped at gamma.
+
+    Ungated (goes_on None): gamma of each. Gated: the chain proposes k tokens with P(k >= i) =
+    goes_on^i, and runs min(k + 1, gamma) positions, since the position its gate stopped at was
+    drafted too.
+    """
+    if goes_on is None:
+        return float(gamma), float(gamma)
+    return expected_gain(gamma, goes_on) - 1.0, expected_gain(gamma, goes_on) - goes_on ** gamma
 
 
 @dataclass
@@ -216,14 +229,13 @@ class BanditPolicy(Policy):
         # the drafter: best value at its optimistic (ucb) or sampled (thompson) acceptance rate
         drafter, top = None, -math.inf
         for d, arm in req.arms.items():
-            value, _ = self._best_gamma(self._rate(arm, req.steps), self._per_token(d, c1, lam), cap, self._goes_on(d))
+            value, _ = self._best_gamma(self._rate(arm, req.steps), *self._prices(d, c1, lam), cap, self._goes_on(d))
             if value > top:
                 drafter, top = d, value
         # its gamma, 0 included: from the posterior mean, so optimism does not buy speculation
         mean = req.arms[drafter].mean
-        per_token = self._per_token(drafter, c1, lam)
-        value, g = self._best_gamma(mean, per_token, cap, self._goes_on(drafter))
-        best = Choice(drafter, g, self._floor(drafter, per_token)) if g else NO_SPEC
+        value, g = self._best_gamma(mean, *self._prices(drafter, c1, lam), cap, self._goes_on(drafter))
+        best = Choice(drafter, g, self._floor(drafter, self._per_token(drafter, c1, lam))) if g else NO_SPEC
         if explore:
             # vary gamma only, with the chosen drafter or else the cheapest one: exploring an
             # expensive drafter would make the whole batch wait for its draft rounds
@@ -236,7 +248,11 @@ class BanditPolicy(Policy):
 
     def _per_token(self, drafter: str, c1: float, lam: float) -> float:
         """What one more drafted-and-verified token costs, in tokens of the batch's goodput."""
-        return lam * (c1 + self.cost.draft_cost(drafter))
+        return sum(self._prices(drafter, c1, lam))
+
+    def _prices(self, drafter: str, c1: float, lam: float) -> tuple[float, float]:
+        """(one verified token, one draft position), in tokens of the batch's goodput."""
+        return lam * c1, lam * self.cost.draft_cost(drafter)
 
     def _goes_on(self, drafter: str) -> float | None:
         """For a gated drafter, the pooled rate at which its chain proposes its next token; None: ungated."""
@@ -248,15 +264,15 @@ class BanditPolicy(Policy):
         return min(per_token, 1.0) if drafter in self.goes_on else 0.0
 
     @staticmethod
-    def _best_gamma(a: float, per_token: float, cap: int, goes_on: float | None = None) -> tuple[float, int]:
-        """max over g in 0..cap of E(g, a) - per_token * (tokens proposed), and its g (gamma 0 is worth 1).
-
-        An ungated drafter proposes g tokens; a gated one E(g, goes_on) - 1 on average.
-        """
+    def _best_gamma(a: float, verify_price: float, draft_price: float, cap: int,
+                    goes_on: float | None = None) -> tuple[float, int]:
+        """max over g in 0..cap of E(g, a) minus the price of the tokens verified and the positions
+        drafted (chain_spend), and its g (gamma 0 is worth 1). A chain the gate stops at once
+        proposes nothing but still costs a draft forward."""
         best_value, best_g = 1.0, 0
         for g in range(1, cap + 1):
-            proposed = g if goes_on is None else expected_gain(g, goes_on) - 1.0
-            value = expected_gain(g, a) - per_token * proposed
+            proposed, ran = chain_spend(g, goes_on)
+            value = expected_gain(g, a) - verify_price * proposed - draft_price * ran
             if value > best_value:
                 best_value, best_g = value, g
         return best_value, best_g

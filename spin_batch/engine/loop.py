@@ -208,11 +208,11 @@ class BatchLoop:
                times: dict[str, float]) -> None:
         outcomes = [Outcome(s.index, c, len(d), k) for s, c, d, k in
                     zip(plan.decode, choices, plan.drafts, verdict.accepted)]
-        asked: Counter = Counter()  # draft tokens asked of each drafter (it may propose fewer)
-        for c in choices:
-            if c.drafter is not None:
-                asked[c.drafter] += c.gamma
-        self.policy.learn(outcomes, StepCosts(dict(times), plan.seg.num_tokens, draft_s, dict(asked)))
+        ran: Counter = Counter()  # draft positions each drafter ran: a chain that stops short of gamma
+        for c, d in zip(choices, plan.drafts):  # (no n-gram match, the confidence gate) ran one more
+            if c.drafter is not None and c.gamma > 0:
+                ran[c.drafter] += min(len(d) + 1, c.gamma)
+        self.policy.learn(outcomes, StepCosts(dict(times), plan.seg.num_tokens, draft_s, dict(ran)))
 
     def select(self, decode: list[Slot]) -> list[Choice]:
         caps = [self._gamma_cap(s) for s in decode]

@@ -34,7 +34,7 @@ class StepCosts:
     stage_s: dict[str, float]  # seconds per stage (select, draft, verify, accept, commit)
     verify_tokens: int  # N of the packed target forward
     draft_s: dict[str, float]  # seconds spent in each drafter's propose()
-    draft_tokens: dict[str, int]  # draft tokens asked of each drafter (gamma summed over its slots)
+    draft_tokens: dict[str, int]  # draft positions each drafter ran (per slot: min(proposed + 1, gamma))
 
 
 NO_SPEC = Choice(None, 0)
