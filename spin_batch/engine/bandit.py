@@ -171,7 +171,7 @@ class BanditPolicy(Policy):
 
     def on_admit(self, slot: int, req_id: str | None = None) -> None:
         """Warm start: the pooled posterior, shrunk to PRIOR_STRENGTH pseudo-tokens."""
-        self._slot_drafter[slot] = self.assign.get(req_id) if req_id is not None else None
+        self._slot_drafter[slot] = self.assign.get(req_id)  # mode `assigned`; None: no drafting
         arms = {}
         for d, b in self.pooled.items():
             mean = b.mean if b.n > 2.0 else DEFAULT_RATE

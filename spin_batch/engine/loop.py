@@ -208,8 +208,10 @@ class BatchLoop:
                times: dict[str, float]) -> None:
         outcomes = [Outcome(s.index, c, len(d), k) for s, c, d, k in
                     zip(plan.decode, choices, plan.drafts, verdict.accepted)]
-        ran: Counter = Counter()  # draft positions each drafter ran: a chain that stops short of gamma
-        for c, d in zip(choices, plan.drafts):  # (no n-gram match, the confidence gate) ran one more
+        # Draft positions each drafter ran: the tokens it proposed, plus the position where it stopped
+        # short of gamma (no n-gram match, or the confidence gate), which it computed too.
+        ran: Counter = Counter()
+        for c, d in zip(choices, plan.drafts):
             if c.drafter is not None and c.gamma > 0:
                 ran[c.drafter] += min(len(d) + 1, c.gamma)
         self.policy.learn(outcomes, StepCosts(dict(times), plan.seg.num_tokens, draft_s, dict(ran)))
