@@ -120,3 +120,34 @@ def test_segments_padding_accounting():
     assert seg.positions.tolist() == [10, 2, 3, 4, 5, 6]
     assert seg.padded_tokens() == 2 * 5 * 11
     assert seg.packed_tokens() == 1 * 11 + 5 * 7
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_attention_matches_reference_on_any_layout(seed):
+    """Grouped short segments (padded per group over a span of slots) and long chunks, against the
+    per-segment reference: mixed draft lengths, slots out of order, gaps between them."""
+    from spin_batch.models.llama import AttentionPlan, attention, attention_ref
+
+    g = torch.Generator().manual_seed(seed)
+    H, KV, D, slots, max_len = 6, 2, 8, 9, 64
+    ck = torch.randn(slots, KV, max_len, D, generator=g)
+    cv = torch.randn(slots, KV, max_len, D, generator=g)
+    used = torch.randperm(slots, generator=g)[: 1 + seed % 8].tolist()
+    parts = []
+    for slot in used:
+        n = int(torch.randint(1, 6, (1,), generator=g)) if seed % 3 else int(torch.randint(1, 24, (1,), generator=g))
+        parts.append((slot, n, int(torch.randint(0, max_len - n, (1,), generator=g))))
+    seg = Segments.build(parts)
+    q = torch.randn(seg.num_tokens, H, D, generator=g)
+    plan = AttentionPlan(seg, H // KV, torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(attention(q, ck, cv, seg, plan), attention_ref(q, ck, cv, seg), atol=1e-5, rtol=0)
+
+
+def test_short_segments_group_by_cost():
+    """One padded group when lengths are close; a separate group for one long draft among single tokens."""
+    from spin_batch.models.llama import AttentionPlan
+
+    alternating = [(s, 1 + s % 2, 10) for s in range(16)]  # lengths 1, 2, 1, 2, ...: one group of 32 rows
+    assert len(AttentionPlan(Segments.build(alternating), 3, torch.float32, torch.device("cpu")).groups) == 1
+    one_long = [(s, 1, 10) for s in range(15)] + [(15, 5, 10)]  # 80 rows padded vs 15 + 5 + a call
+    assert len(AttentionPlan(Segments.build(one_long), 3, torch.float32, torch.device("cpu")).groups) == 2
