@@ -42,21 +42,27 @@ class World:
         return proposed, accepted
 
     def step(self, policy: BanditPolicy, slots: list[int]) -> list:
+        """One step; a drafter's time is f per forward (its deepest chain) plus s per position, where
+        draft_cost[d] is s alone or the pair (f, s)."""
         choices = policy.choose(slots, [8] * len(slots))
-        outcomes, tokens, draft_s, draft_tokens = [], 0, {}, {}
+        outcomes, tokens, draft_tokens, forwards = [], 0, {}, {}
         for s, c in zip(slots, choices):
             proposed = k = 0
             if c.drafter:
                 proposed, k = self._chain(c)
                 draft_tokens[c.drafter] = draft_tokens.get(c.drafter, 0) + c.gamma
-                draft_s[c.drafter] = draft_s.get(c.drafter, 0.0) + c.gamma * self.draft_cost[c.drafter]
+                forwards[c.drafter] = max(forwards.get(c.drafter, 0), c.gamma)
             tokens += proposed + 1
             outcomes.append(Outcome(s, c, proposed, k))
             self.gained += k + 1
+        draft_s = {}
+        for d, n in draft_tokens.items():
+            f, s = self.draft_cost[d] if isinstance(self.draft_cost[d], tuple) else (0.0, self.draft_cost[d])
+            draft_s[d] = f * forwards[d] + s * n
         verify = self.c0 + self.c1 * tokens
         self.seconds += verify + sum(draft_s.values())
         policy.learn(outcomes, StepCosts({"draft": sum(draft_s.values()), "verify": verify}, tokens, draft_s,
-                                         draft_tokens))
+                                         draft_tokens, forwards))
         return choices
 
 
@@ -135,6 +141,19 @@ def test_cost_model_fits_linear_verify_cost():
     assert c0 == pytest.approx(0.03, rel=1e-3) and c1 == pytest.approx(0.004, rel=1e-3)
 
 
+def test_verify_cost_is_fitted_on_decode_steps():
+    """A prefill chunk is cheaper per token than the tail of a decode step; with its leverage it
+    would halve c1 and make speculation look cheap at large batch."""
+    cm = CostModel(decay=0.99)
+    cm.observe_verify(300, 0.03 + 0.001 * 300, prefill_tokens=284)
+    assert cm.verify_coeffs()[1] > 0  # no decode step yet: the prefill step counts
+    for n in [16, 20, 18, 24, 17, 30, 16, 22] * 5:
+        cm.observe_verify(n, 0.03 + 0.002 * n)
+        cm.observe_verify(n + 400, 0.03 + 0.002 * n + 0.001 * 400, prefill_tokens=400)
+    c0, c1 = cm.verify_coeffs()
+    assert c0 == pytest.approx(0.03, rel=1e-3) and c1 == pytest.approx(0.002, rel=1e-3)
+
+
 def test_make_policy_selectors():
     assert type(make_policy("ucb", ["a"], 4)).__name__ == "BanditPolicy"
     assert type(make_policy("ucb", [], 4)).__name__ == "NoSpeculation"
@@ -206,10 +225,76 @@ def test_chain_spend_matches_simulated_gated_chains(gamma, goes_on):
 
 
 def test_the_position_a_gate_stopped_at_is_priced():
+    from spin_batch.engine.bandit import best_gamma, chain_spend
+
     # a = 0.3, goes_on = 0.3, gamma 1: E = 1.3 tokens for 0.3 proposed but 1 position drafted.
     # Charging the draft only for proposed tokens (1.3 - 0.4 * 0.3 = 1.18) would speculate; charging
     # the position run too (1.3 - 0.1 * 0.3 - 0.3 * 1) is worth less than plain decoding.
-    assert BanditPolicy._best_gamma(0.3, 0.1, 0.3, 1, goes_on=0.3) == (1.0, 0)
+    assert best_gamma(0.3, 0.1, 0.3, [chain_spend(g, 0.3) for g in range(2)]) == (1.0, 0)
     # ungated, the same prices charge g tokens and g positions
-    value, g = BanditPolicy._best_gamma(0.6, 0.1, 0.05, 1)
+    value, g = best_gamma(0.6, 0.1, 0.05, [chain_spend(g, None) for g in range(2)])
     assert g == 1 and value == pytest.approx(1.6 - 0.15)
+    # a forward is charged only beyond the depth the drafter's other slots run anyway
+    spend = [chain_spend(g, None) for g in range(5)]
+    assert best_gamma(0.6, 0.1, 0.05, spend, forward_price=0.5, depth=4.0) == best_gamma(0.6, 0.1, 0.05, spend)
+    assert best_gamma(0.6, 0.1, 0.05, spend, forward_price=0.5)[1] < best_gamma(0.6, 0.1, 0.05, spend)[1]
+
+
+def test_draft_cost_separates_forwards_from_positions():
+    from spin_batch.engine.bandit import DraftCost
+
+    dc = DraftCost(decay=0.99)
+    for forwards, positions in [(4, 16), (2, 3), (4, 5), (1, 4), (3, 9), (2, 2)] * 10:
+        dc.observe(forwards, positions, 0.002 * forwards + 0.0003 * positions)
+    f, s = dc.coeffs()
+    assert f == pytest.approx(0.002, rel=1e-3) and s == pytest.approx(0.0003, rel=1e-3)
+    # one slot: forwards == positions, the split is unknowable; all of it goes on forwards, so that
+    # sharing is tried (and measured) rather than priced as if every slot drafted alone
+    lone = DraftCost(decay=0.99)
+    for n in [1, 3, 4, 2] * 5:
+        lone.observe(n, n, 0.0023 * n)
+    assert lone.coeffs() == pytest.approx((0.0023, 0.0))
+
+
+def test_slots_share_a_drafter_whose_cost_is_its_forwards():
+    """Two drafters, equally good, each costing mostly per forward (one forward advances all of its
+    slots). Splitting the batch between them pays both drafters' forwards; the joint choice puts the
+    drafting slots on one drafter in nearly every step. (Slot by slot, best responses alone leave a
+    split in place: a slot moving alone to the other drafter's forwards saves nothing.)"""
+    mixed = steps = 0
+    for seed in range(3):
+        world = World({"x": 0.75, "y": 0.75}, {"x": (0.004, 0.0001), "y": (0.004, 0.0001)}, c0=0.03, c1=0.0005,
+                      seed=seed)
+        policy = BanditPolicy(["x", "y"], max_gamma=4, seed=seed)
+        for _ in range(8):
+            for s in range(8):
+                policy.on_admit(s)
+            for _ in range(20):
+                used = {c.drafter for c in world.step(policy, list(range(8))) if c.drafter}
+                mixed += len(used) > 1
+                steps += 1
+        assert world.gained / world.seconds > 300  # tokens per second; 1 / (c0 + 8 c1) = 295 without drafting
+    assert mixed / steps < 0.05, mixed / steps
+
+
+def test_a_drafter_first_tried_alone_is_then_shared():
+    """The first try of a drafter is one slot (forwards == positions). Pricing that as a per-position
+    cost would make every slot look as if it drafted alone; at this cost no lone slot pays, so the
+    drafter would never be tried again. Priced per forward, the batch shares it and drafts."""
+    world = World({"d": 0.8}, {"d": (0.004, 0.0001)}, c0=0.03, c1=0.0005, seed=0)
+    policy = BanditPolicy(["d"], max_gamma=4, seed=0)
+    picks = run_requests(policy, world, n_requests=4, steps_per_request=20, slots=8)
+    late = picks[len(picks) // 2:]
+    assert sum(c.gamma > 0 for c in late) / len(late) > 0.9
+
+
+def test_an_optimistic_favourite_that_does_not_pay_yields_to_the_best_at_the_mean():
+    """UCB favours the drafter it knows least ("new"), but at its posterior mean drafting with it does
+    not pay. The slot then drafts with the drafter that pays at the mean rather than not at all."""
+    from spin_batch.engine.bandit import JointChoice
+
+    joint = JointChoice(caps=[4], rates=[{"new": 0.95, "known": 0.62}], means=[{"new": 0.1, "known": 0.6}],
+                        coeffs={"new": (0.0, 0.0), "known": (0.0, 0.0)}, goes_on={"new": None, "known": None},
+                        verify_price=0.3, lam=100.0)
+    drafter, gamma = joint.solve()[0]
+    assert drafter == "known" and gamma > 0

@@ -7,11 +7,14 @@ a failure). The expected tokens a step gains with gamma g is
 E(g, a) = (1 - a^(g + 1)) / (1 - a) (accepted drafts plus the recovered or bonus token).
 
 Cost comes from an online model of measured stage times at the current batch size
-(CostModel): verification costs c0 + c1 * N for N packed tokens, and drafter d costs c_d per
-draft token. The batch's goodput is (sum of tokens gained) / (step time); it is maximised
-when every slot picks argmax over (d, g) of E(g, a_d) - lam * marginal_cost(d, g), where lam
-is the current goodput (tokens per second). That makes gamma 0 win as soon as verification
-of extra tokens costs more than they bring, e.g. at large batch.
+(CostModel): verification costs c0 + c1 * N for N packed tokens, and drafter d costs f_d per
+forward plus s_d per draft position (one forward advances all of d's slots, so a slot drafting
+with others shares their forwards). The batch's goodput is (sum of tokens gained) / (step
+time); it is maximised by the choices that maximise the sum over slots of E(g, a_d) - lam *
+cost, where lam is the current goodput (tokens per second) and the cost counts each drafter's
+forwards once (JointChoice). That makes gamma 0 win as soon as verification of extra tokens
+costs more than they bring, e.g. at large batch, and it keeps the slots that draft on few
+drafters: a batch split over drafters pays every drafter's forwards.
 
 Confidence gate (drafters that know their own distribution: the model drafters). Gamma is
 then a cap: the slot's chain also stops before a position where the product of the draft's
@@ -31,12 +34,15 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 
 from .policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
 
 PRIOR_STRENGTH = 6.0  # pseudo-tokens a warm start is worth
 DEFAULT_RATE = 0.3  # prior acceptance before anything was pooled
+JOINT_PASSES = 3  # best-response passes over the batch (JointChoice)
+DECODE_FIT_STEPS = 4.0  # decayed weight of decode steps the verify fit needs before it drops prefill steps
 
 
 def expected_gain(gamma: int, a: float) -> float:
@@ -57,6 +63,25 @@ def chain_spend(gamma: int, goes_on: float | None) -> tuple[float, float]:
     if goes_on is None:
         return float(gamma), float(gamma)
     return expected_gain(gamma, goes_on) - 1.0, expected_gain(gamma, goes_on) - goes_on ** gamma
+
+
+def best_gamma(a: float, verify_price: float, position_price: float, spend: list[tuple[float, float]],
+               forward_price: float = 0.0, depth: float = 0.0) -> tuple[float, int]:
+    """max over g in 0..len(spend) - 1 of E(g, a) minus the price of what the chain spends, and its g.
+
+    spend[g] is chain_spend(g, ...): the tokens verified and the draft positions run, each position
+    priced at position_price, plus forward_price for each forward the chain adds beyond `depth` (the
+    positions other slots of its drafter run anyway). Gamma 0 is worth 1. A chain the gate stops at
+    once proposes nothing but still costs a draft forward.
+    """
+    best_value, best_g = 1.0, 0
+    for g in range(1, len(spend)):
+        proposed, ran = spend[g]
+        value = (expected_gain(g, a) - verify_price * proposed - position_price * ran
+                 - forward_price * max(ran - depth, 0.0))
+        if value > best_value:
+            best_value, best_g = value, g
+    return best_value, best_g
 
 
 @dataclass
@@ -89,27 +114,77 @@ class Ema:
         return self.value
 
 
+class DraftCost:
+    """One drafter's time per call: f seconds per forward plus s per draft position, fitted online.
+
+    A forward advances every slot drafting with this drafter at once, so a slot that joins others
+    already drafting to its depth pays only s per position, while one drafting alone (or deeper
+    than the rest) pays f for each forward it adds. Fitted by decayed least squares over
+    (forwards, positions). Where the two cannot be told apart (one slot: forwards == positions; or
+    always the same number of slots), all of the time is put on forwards: that prices the
+    observed batches exactly and takes joining as free, an optimism the next shared steps correct.
+    The other way round (all on positions) would price a slot that shares as if it drafted alone,
+    and a drafter first tried by one slot would never look worth sharing, so never be shared.
+    """
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self._m = [0.0] * 5  # decayed sums: F^2, F P, P^2, F t, P t
+
+    def observe(self, forwards: int, positions: int, seconds: float) -> None:
+        d, f, p = self.decay, float(forwards), float(positions)
+        for i, v in enumerate((f * f, f * p, p * p, f * seconds, p * seconds)):
+            self._m[i] = d * self._m[i] + v
+
+    def coeffs(self) -> tuple[float, float]:
+        """(seconds per forward, seconds per draft position)."""
+        ff, fp, pp, ft, pt = self._m
+        det = ff * pp - fp * fp
+        if ff == 0:
+            return 0.0, 0.0
+        if det > 1e-3 * ff * pp:
+            f = (pp * ft - fp * pt) / det
+            s = (ff * pt - fp * ft) / det
+            if f >= 0 and s >= 0:
+                return f, s
+            if f < 0:  # clipped: all of the time on positions
+                return 0.0, pt / pp
+        return ft / ff, 0.0
+
+
 class CostModel:
-    """Stage times measured online: verify = c0 + c1 * tokens, draft_d = c_d * tokens."""
+    """Stage times measured online: verify = c0 + c1 * tokens; drafter d = f_d * forwards + s_d * positions.
+
+    The verify line is fitted on decode steps (no prefill chunk in the forward) once it has a few:
+    a long prefill chunk costs less per token than the last few tokens of a decode step, and its
+    leverage would pull c1 down to the prefill rate, so speculation would look cheaper than it is
+    at large batch (on the 2-core CPU at 16 slots: c1 1.0 ms fitted on all steps, 1.9 ms on decode
+    steps). Until then, every step counts.
+    """
 
     def __init__(self, decay: float = 0.98):
         self.decay = decay
-        self._m = [0.0] * 5  # decayed sums: 1, N, N^2, t, N t
-        self.draft_per_token: dict[str, Ema] = {}
+        self._all = [0.0] * 5  # decayed sums over all steps: 1, N, N^2, t, N t
+        self._decode = [0.0] * 5  # the same over decode steps only
+        self.drafts: dict[str, DraftCost] = {}
         self.goodput = Ema(0.9, 0.0)  # tokens per second of the whole batch: tracks faster than costs
 
-    def observe_verify(self, tokens: int, seconds: float) -> None:
+    def observe_verify(self, tokens: int, seconds: float, prefill_tokens: int = 0) -> None:
         d = self.decay
-        for i, v in enumerate((1.0, tokens, tokens * tokens, seconds, tokens * seconds)):
-            self._m[i] = d * self._m[i] + v
+        sums = (self._all,) if prefill_tokens else (self._all, self._decode)
+        for m in sums:
+            for i, v in enumerate((1.0, tokens, tokens * tokens, seconds, tokens * seconds)):
+                m[i] = d * m[i] + v
 
-    def observe_draft(self, drafter: str, tokens: int, seconds: float) -> None:
-        if tokens > 0:
-            self.draft_per_token.setdefault(drafter, Ema(self.decay, 0.0)).update(seconds / tokens)
+    def observe_draft(self, drafter: str, positions: int, seconds: float, forwards: int | None = None) -> None:
+        """forwards None: one per position (a drafter that does not batch its slots)."""
+        if positions > 0:
+            self.drafts.setdefault(drafter, DraftCost(self.decay)).observe(
+                positions if forwards is None else forwards, positions, seconds)
 
     def verify_coeffs(self) -> tuple[float, float]:
         """(c0, c1): fixed seconds per step, seconds per packed token."""
-        s1, sn, snn, st, snt = self._m
+        s1, sn, snn, st, snt = self._decode if self._decode[0] >= DECODE_FIT_STEPS else self._all
         if s1 == 0:
             return 0.0, 0.0
         var = snn / s1 - (sn / s1) ** 2
@@ -121,13 +196,127 @@ class CostModel:
         c0 = max(st / s1 - c1 * sn / s1, 0.0)
         return c0, c1
 
-    def draft_cost(self, drafter: str) -> float:
-        """Seconds per draft token; infinite until measured (see BanditPolicy.choose)."""
-        e = self.draft_per_token.get(drafter)
-        return e.value if e is not None else math.inf
+    def draft_coeffs(self, drafter: str) -> tuple[float, float]:
+        """(seconds per forward, seconds per position); infinite until measured (see BanditPolicy.choose)."""
+        e = self.drafts.get(drafter)
+        return e.coeffs() if e is not None else (math.inf, math.inf)
+
+    def draft_cost(self, drafter: str, sharing: float = 1.0) -> float:
+        """Seconds per draft position when `sharing` slots draft together with this drafter."""
+        f, s = self.draft_coeffs(drafter)
+        return f / max(sharing, 1.0) + s
 
     def measured(self, drafter: str) -> bool:
-        return drafter in self.draft_per_token
+        return drafter in self.drafts
+
+
+class JointChoice:
+    """Every open slot's (drafter, gamma) at one step, chosen together: a drafter's slots share its forwards.
+
+    The batch's value V sums, over slots, E(g, a) minus the price of the tokens the slot verifies
+    and of the draft positions it runs; and takes off, per drafter, the price of its forwards: as
+    many as its deepest slot runs. A slot's drafter is the best at its optimistic (ucb) or sampled
+    (thompson) rate; its gamma the best at the posterior mean, so optimism does not buy speculation.
+
+    1. Every slot chooses as if each drafter's forwards were shared by all the slots.
+    2. Best responses: each slot in turn takes its best choice given the others', which prices
+       exactly the forwards it adds (none where another slot of its drafter drafts as deep).
+    3. Closing: best responses cannot empty a drafter that two slots share, even where moving them
+       all would pay; each drafter in use is closed in turn (its slots choose again among the
+       others) and stays closed where that raises V.
+    """
+
+    def __init__(self, caps: list[int], rates: list[dict[str, float]], means: list[dict[str, float]],
+                 coeffs: dict[str, tuple[float, float]], goes_on: dict[str, float | None], verify_price: float,
+                 lam: float):
+        self.caps, self.rates, self.means, self.lam, self.verify_price = caps, rates, means, lam, verify_price
+        self.coeffs = coeffs
+        self.spend = {d: [chain_spend(g, c) for g in range(max(caps) + 1)] for d, c in goes_on.items()}
+        self.n = len(caps)
+        self._memo: dict[tuple, tuple[float, int]] = {}  # _best by its arguments: passes repeat most of them
+
+    def solve(self) -> list[tuple[str | None, int]]:
+        everyone = set(self.coeffs)
+        picks = [(None, 0)] * self.n
+        for k in range(self.n):
+            picks[k] = self._respond(k, picks, everyone, shared=True)
+        picks = self._settle(picks, everyone)
+        value = self._total(picks)
+        for d in sorted({d for d, _ in picks if d is not None}, key=lambda d: -self.coeffs[d][0]):
+            if self.coeffs[d][0] <= 0 or all(p[0] != d for p in picks):
+                continue  # free forwards (an n-gram matcher): nothing to save by closing it
+            allowed = everyone - {d}
+            trial = [(None, 0) if p[0] == d else p for p in picks]
+            trial = self._settle(trial, allowed)
+            if self._total(trial) > value:
+                picks, value, everyone = trial, self._total(trial), allowed
+        return picks
+
+    def _settle(self, picks: list[tuple[str | None, int]], allowed: set[str]) -> list[tuple[str | None, int]]:
+        picks = list(picks)
+        for _ in range(JOINT_PASSES):
+            changed = False
+            for k in range(self.n):
+                pick = self._respond(k, picks, allowed)
+                changed |= pick != picks[k]
+                picks[k] = pick
+            if not changed:
+                break
+        return picks
+
+    def _respond(self, k: int, picks: list[tuple[str | None, int]], allowed: set[str],
+                 shared: bool = False) -> tuple[str | None, int]:
+        """Slot k's best (drafter, gamma) given the others' picks; shared: forwards split n ways instead."""
+        depth = {} if shared else self._depths(picks, skip=k)
+        best, top = None, -math.inf
+        for d in self.rates[k]:
+            if d in allowed:
+                value, _ = self._best(k, d, self.rates[k][d], depth.get(d, 0.0), shared)
+                if value > top:
+                    best, top = d, value
+        if best is None:
+            return None, 0
+        _, g = self._best(k, best, self.means[k][best], depth.get(best, 0.0), shared)
+        if g:
+            return best, g
+        # The optimistic favourite does not pay at its mean: exploit the best drafter at the mean
+        # instead of not drafting at all (the favourite is still tried wherever its mean pays).
+        top, best = 1.0, None
+        for d in self.rates[k]:
+            if d in allowed:
+                value, g_d = self._best(k, d, self.means[k][d], depth.get(d, 0.0), shared)
+                if value > top:
+                    top, best, g = value, d, g_d
+        return (best, g) if best is not None else (None, 0)
+
+    def _best(self, k: int, d: str, a: float, depth: float, shared: bool) -> tuple[float, int]:
+        key = (k, d, a, depth, shared)
+        if key not in self._memo:
+            f, s = self.coeffs[d]
+            spend = self.spend[d][: self.caps[k] + 1]
+            self._memo[key] = (best_gamma(a, self.verify_price, self.lam * (s + f / self.n), spend) if shared else
+                               best_gamma(a, self.verify_price, self.lam * s, spend, self.lam * f, depth))
+        return self._memo[key]
+
+    def _depths(self, picks: list[tuple[str | None, int]], skip: int = -1) -> dict[str, float]:
+        """Per drafter, the draft positions its deepest slot runs (so its forwards), slot `skip` aside."""
+        depth: dict[str, float] = {}
+        for j, (d, g) in enumerate(picks):
+            if j != skip and d is not None:
+                depth[d] = max(depth.get(d, 0.0), self.spend[d][g][1])
+        return depth
+
+    def _total(self, picks: list[tuple[str | None, int]]) -> float:
+        """V at the drafter-choosing rates."""
+        value = 0.0
+        for k, (d, g) in enumerate(picks):
+            if d is None:
+                value += 1.0
+                continue
+            proposed, ran = self.spend[d][g]
+            value += (expected_gain(g, self.rates[k][d]) - self.verify_price * proposed
+                      - self.lam * self.coeffs[d][1] * ran)
+        return value - sum(self.lam * self.coeffs[d][0] * depth for d, depth in self._depths(picks).items())
 
 
 @dataclass
@@ -187,15 +376,17 @@ class BanditPolicy(Policy):
                     for s, c in zip(slots, caps)]
         _, c1 = self.cost.verify_coeffs()
         lam = self.cost.goodput.value
-        if self.mode == "fixed":  # one drafter at the configured gamma; only its confidence floor is priced
-            return [self._fixed(self.drafters[0], cap, c1, lam) for cap in caps]
-        if self.mode == "assigned":
-            return [self._fixed(self._slot_drafter.get(s), cap, c1, lam) for s, cap in zip(slots, caps)]
+        verify_price = lam * c1
+        if self.mode in ("fixed", "assigned"):  # the drafter given, at the configured gamma; only its floor is priced
+            names = [self.drafters[0] if self.mode == "fixed" else self._slot_drafter.get(s) for s in slots]
+            sharing = Counter(n for n, cap in zip(names, caps) if n is not None and cap > 0)
+            return [self._fixed(n, cap, verify_price, lam, sharing[n]) for n, cap in zip(names, caps)]
         # a drafter whose cost is still unknown is tried by one slot, with a short draft: trying
         # it on every slot at once could stall the whole batch behind an expensive drafter
         unmeasured = [d for d in self.drafters if not self.cost.measured(d)]
         explorer = self.rng.randrange(len(slots)) if slots and self.rng.random() < self.gamma_exploration else -1
-        out = []
+        out: list[Choice] = [NO_SPEC] * len(slots)
+        open_: list[tuple[int, RequestArms, int]] = []  # (index, request, cap) the bandit decides jointly
         for i, (s, cap) in enumerate(zip(slots, caps)):
             req = self.requests.get(s)
             if req is None:
@@ -204,17 +395,43 @@ class BanditPolicy(Policy):
             req.steps += 1
             cap = min(cap, self.max_gamma)
             if unmeasured and cap > 0:
-                out.append(Choice(unmeasured.pop(0), min(2, cap)))
-            else:
-                out.append(self._best(req, cap, c1, lam, explore=i == explorer))
+                out[i] = Choice(unmeasured.pop(0), min(2, cap))
+            elif cap > 0 and self.cost.goodput.seen:
+                open_.append((i, req, cap))
+        for i, choice in self._joint(open_, verify_price, lam).items():
+            out[i] = choice
+        if any(i == explorer for i, _, _ in open_):
+            # vary gamma only, with the chosen drafter or else the cheapest one: exploring an
+            # expensive drafter would make the whole batch wait for its draft rounds
+            cap = next(cap for i, _, cap in open_ if i == explorer)
+            name = out[explorer].drafter or min(self.drafters, key=self.cost.draft_cost)
+            if self.cost.measured(name):
+                g = self.rng.randint(0, cap)
+                out[explorer] = Choice(name, g) if g else NO_SPEC  # ungated: the cost model must see N vary
         return out
 
-    def _fixed(self, name: str | None, cap: int, c1: float, lam: float) -> Choice:
+    def _joint(self, open_: list[tuple[int, RequestArms, int]], verify_price: float, lam: float) -> dict[int, Choice]:
+        """Each open slot's choice (see JointChoice), with its drafter's confidence floor."""
+        if not open_:
+            return {}
+        goes = {d: self._goes_on(d) for d in self.drafters}
+        joint = JointChoice(
+            caps=[cap for _, _, cap in open_],
+            rates=[{d: self._rate(arm, req.steps) for d, arm in req.arms.items()} for _, req, _ in open_],
+            means=[{d: arm.mean for d, arm in req.arms.items()} for _, req, _ in open_],
+            coeffs={d: self.cost.draft_coeffs(d) for d in self.drafters},
+            goes_on=goes, verify_price=verify_price, lam=lam)
+        picks = joint.solve()
+        sharing = Counter(d for d, _ in picks if d is not None)
+        return {i: Choice(d, g, self._floor(d, verify_price + lam * self.cost.draft_cost(d, sharing[d])))
+                for (i, _, _), (d, g) in zip(open_, picks) if d is not None}
+
+    def _fixed(self, name: str | None, cap: int, verify_price: float, lam: float, sharing: int) -> Choice:
         """`name` at the configured gamma, with its priced confidence floor once its cost is known."""
         if name is None or cap <= 0:
             return NO_SPEC
         known = self.cost.goodput.seen and self.cost.measured(name)
-        floor = self._floor(name, self._per_token(name, c1, lam)) if known else 0.0
+        floor = self._floor(name, verify_price + lam * self.cost.draft_cost(name, sharing)) if known else 0.0
         return Choice(name, min(cap, self.max_gamma), floor)
 
     def _rate(self, arm: Beta, steps: int) -> float:
@@ -222,37 +439,6 @@ class BanditPolicy(Policy):
             return self.rng.betavariate(arm.alpha, arm.beta)
         bonus = self.exploration * math.sqrt(math.log(steps + 1.0) / arm.n)
         return min(arm.mean + bonus, 0.999)
-
-    def _best(self, req: RequestArms, cap: int, c1: float, lam: float, explore: bool = False) -> Choice:
-        if cap <= 0 or not self.cost.goodput.seen:
-            return NO_SPEC
-        # the drafter: best value at its optimistic (ucb) or sampled (thompson) acceptance rate
-        drafter, top = None, -math.inf
-        for d, arm in req.arms.items():
-            value, _ = self._best_gamma(self._rate(arm, req.steps), *self._prices(d, c1, lam), cap, self._goes_on(d))
-            if value > top:
-                drafter, top = d, value
-        # its gamma, 0 included: from the posterior mean, so optimism does not buy speculation
-        mean = req.arms[drafter].mean
-        value, g = self._best_gamma(mean, *self._prices(drafter, c1, lam), cap, self._goes_on(drafter))
-        best = Choice(drafter, g, self._floor(drafter, self._per_token(drafter, c1, lam))) if g else NO_SPEC
-        if explore:
-            # vary gamma only, with the chosen drafter or else the cheapest one: exploring an
-            # expensive drafter would make the whole batch wait for its draft rounds
-            name = best.drafter or min(self.drafters, key=self.cost.draft_cost)
-            if not self.cost.measured(name):
-                return best
-            g = self.rng.randint(0, cap)
-            return Choice(name, g) if g else NO_SPEC  # ungated: the cost model must see N vary
-        return best
-
-    def _per_token(self, drafter: str, c1: float, lam: float) -> float:
-        """What one more drafted-and-verified token costs, in tokens of the batch's goodput."""
-        return sum(self._prices(drafter, c1, lam))
-
-    def _prices(self, drafter: str, c1: float, lam: float) -> tuple[float, float]:
-        """(one verified token, one draft position), in tokens of the batch's goodput."""
-        return lam * c1, lam * self.cost.draft_cost(drafter)
 
     def _goes_on(self, drafter: str) -> float | None:
         """For a gated drafter, the pooled rate at which its chain proposes its next token; None: ungated."""
@@ -262,20 +448,6 @@ class BanditPolicy(Policy):
     def _floor(self, drafter: str, per_token: float) -> float:
         """The confidence gate for this drafter: a position must be worth its cost (0: ungated)."""
         return min(per_token, 1.0) if drafter in self.goes_on else 0.0
-
-    @staticmethod
-    def _best_gamma(a: float, verify_price: float, draft_price: float, cap: int,
-                    goes_on: float | None = None) -> tuple[float, int]:
-        """max over g in 0..cap of E(g, a) minus the price of the tokens verified and the positions
-        drafted (chain_spend), and its g (gamma 0 is worth 1). A chain the gate stops at once
-        proposes nothing but still costs a draft forward."""
-        best_value, best_g = 1.0, 0
-        for g in range(1, cap + 1):
-            proposed, ran = chain_spend(g, goes_on)
-            value = expected_gain(g, a) - verify_price * proposed - draft_price * ran
-            if value > best_value:
-                best_value, best_g = value, g
-        return best_value, best_g
 
     # -- learn ------------------------------------------------------------------------------
 
@@ -294,9 +466,9 @@ class BanditPolicy(Policy):
 
     def learn(self, outcomes: list[Outcome], costs: StepCosts) -> None:
         if costs.verify_tokens:
-            self.cost.observe_verify(costs.verify_tokens, costs.stage_s.get("verify", 0.0))
-        for d, tokens in costs.draft_tokens.items():
-            self.cost.observe_draft(d, tokens, costs.draft_s.get(d, 0.0))
+            self.cost.observe_verify(costs.verify_tokens, costs.stage_s.get("verify", 0.0), costs.prefill_tokens)
+        for d, positions in costs.draft_tokens.items():
+            self.cost.observe_draft(d, positions, costs.draft_s.get(d, 0.0), costs.draft_forwards.get(d))
         gained = sum(o.accepted + 1 for o in outcomes)
         decode_s = self._decode_seconds(outcomes, costs)
         if gained and decode_s > 0:

@@ -210,11 +210,16 @@ class BatchLoop:
                     zip(plan.decode, choices, plan.drafts, verdict.accepted)]
         # Draft positions each drafter ran: the tokens it proposed, plus the position where it stopped
         # short of gamma (no n-gram match, or the confidence gate), which it computed too.
+        # One forward advances all of a drafter's live slots, so it ran as many as its deepest slot.
         ran: Counter = Counter()
+        forwards: dict[str, int] = {}
         for c, d in zip(choices, plan.drafts):
             if c.drafter is not None and c.gamma > 0:
-                ran[c.drafter] += min(len(d) + 1, c.gamma)
-        self.policy.learn(outcomes, StepCosts(dict(times), plan.seg.num_tokens, draft_s, dict(ran)))
+                n = min(len(d) + 1, c.gamma)
+                ran[c.drafter] += n
+                forwards[c.drafter] = max(forwards.get(c.drafter, 0), n)
+        self.policy.learn(outcomes, StepCosts(dict(times), plan.seg.num_tokens, draft_s, dict(ran), forwards,
+                                              sum(n for _, n in plan.chunks)))
 
     def select(self, decode: list[Slot]) -> list[Choice]:
         caps = [self._gamma_cap(s) for s in decode]

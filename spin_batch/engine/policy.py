@@ -7,7 +7,7 @@ drafter also gets the confidence floor, priced like the bandits'), and the SPIN 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,10 @@ class StepCosts:
     verify_tokens: int  # N of the packed target forward
     draft_s: dict[str, float]  # seconds spent in each drafter's propose()
     draft_tokens: dict[str, int]  # draft positions each drafter ran (per slot: min(proposed + 1, gamma))
+    # draft forwards (rounds) each drafter ran: the most positions any of its slots ran, since one
+    # forward advances all of its live slots. Absent: one forward per position (no batching).
+    draft_forwards: dict[str, int] = field(default_factory=dict)
+    prefill_tokens: int = 0  # of verify_tokens, those of prefill chunks riding in the same forward
 
 
 NO_SPEC = Choice(None, 0)
