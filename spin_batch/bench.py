@@ -231,7 +231,9 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
             hf = HFGenerate(engine)
         for r in range(repeat):
             this_repeat = []
-            for m in methods:
+            # every other repeat runs the methods in reverse order, so that a drift in the machine's
+            # speed during a repeat does not favour the methods that run first
+            for m in methods if r % 2 == 0 else methods[::-1]:
                 if m == "oracle":
                     continue
                 bar.set_postfix_str(f"slots={slots} repeat={r} {m}")
@@ -283,14 +285,13 @@ def table(runs: list[MethodRun]) -> list[dict]:
         group = [r for r in runs if r.slots == slots and r.method == method]
         ar = [r for r in runs if r.slots == slots and r.method == "autoregressive"]
         tok_s = statistics.median(r.tok_s for r in group)
-        ar_tok_s = statistics.median(r.tok_s for r in ar) if ar else None
         acc = _median_of(group, lambda s: _mean_acceptance(s))
         rows.append({
             "method": method,
             "slots": slots,
             "repeats": len(group),
             "tokens_per_s": tok_s,
-            "ratio_vs_autoregressive": tok_s / ar_tok_s if ar_tok_s else None,
+            "ratio_vs_autoregressive": paired_ratio(group, ar),
             "mean_acceptance_length": acc,
             "target_forwards_per_token": _median_of(group, lambda s: s.get("target_forwards_per_generated_token")),
             "padding_saved_fraction": _median_of(group, lambda s: s.get("padding_saved_fraction")),
@@ -298,6 +299,17 @@ def table(runs: list[MethodRun]) -> list[dict]:
             "peak_rss_mb": max(r.peak_rss_mb for r in group),
         })
     return rows
+
+
+def paired_ratio(group: list[MethodRun], base: list[MethodRun]) -> float | None:
+    """The median over repeats of group's tok/s over base's in the same repeat.
+
+    Each repeat's runs follow one another, so a pair shares the machine's speed of the moment;
+    the median of such ratios is much steadier on a noisy machine than a ratio of medians.
+    """
+    by_repeat = {r.repeat: r.tok_s for r in base}
+    ratios = [r.tok_s / by_repeat[r.repeat] for r in group if by_repeat.get(r.repeat)]
+    return statistics.median(ratios) if ratios else None
 
 
 def _method_order(m: str) -> tuple:
@@ -317,22 +329,26 @@ def _mean_acceptance(summary: dict) -> float | None:
     return (acc + spec) / spec if spec else None
 
 
-def regret(rows: list[dict]) -> list[str]:
-    """SPIN against the best single fixed drafter and against the per-request oracle, per slots."""
+def regret(runs: list[MethodRun]) -> list[str]:
+    """SPIN against the best single fixed drafter and against the per-request oracle, per slots
+    (paired ratios: medians over repeats of spin's tok/s over the other method's in the same repeat)."""
     out = []
-    for slots in sorted({r["slots"] for r in rows}):
-        by = {r["method"]: r["tokens_per_s"] for r in rows if r["slots"] == slots}
-        fixed = {m: v for m, v in by.items() if m.startswith("fixed:")}
+    for slots in sorted({r.slots for r in runs}):
+        by: dict[str, list[MethodRun]] = {}
+        for r in runs:
+            if r.slots == slots:
+                by.setdefault(r.method, []).append(r)
+        fixed = {m: statistics.median(r.tok_s for r in g) for m, g in by.items() if m.startswith("fixed:")}
         if "spin" not in by or not fixed:
             continue
         best = max(fixed, key=fixed.get)
-        line = f"slots={slots}: spin {by['spin']:.1f} tok/s = {by['spin'] / fixed[best]:.2f}x best fixed ({best})"
-        if "oracle" in by:
-            line += f", {by['spin'] / by['oracle']:.2f}x oracle"
-        if "oracle-bound" in by:
-            line += f", {by['spin'] / by['oracle-bound']:.2f}x oracle bound"
-        if "autoregressive" in by:
-            line += f", {by['spin'] / by['autoregressive']:.2f}x autoregressive"
+        spin = by["spin"]
+        line = (f"slots={slots}: spin {statistics.median(r.tok_s for r in spin):.1f} tok/s = "
+                f"{paired_ratio(spin, by[best]):.2f}x best fixed ({best})")
+        for method, label in (("oracle", "oracle"), ("oracle-bound", "oracle bound"),
+                              ("autoregressive", "autoregressive")):
+            if method in by:
+                line += f", {paired_ratio(spin, by[method]):.2f}x {label}"
         out.append(line)
     return out
 
@@ -364,7 +380,7 @@ def write_results(runs: list[MethodRun], out: Path) -> dict[str, Path]:
     pl.DataFrame(rows).write_parquet(paths["table"])
     bad = mismatches(runs)
     parts = [markdown(rows)]
-    reg = regret(rows)
+    reg = regret(runs)
     if reg:
         parts.append("Regret:\n" + "\n".join(f"- {x}" for x in reg))
     parts.append(f"{len(bad)} greedy mismatches:\n" + "\n".join(f"- {b}" for b in bad) if bad

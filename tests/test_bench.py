@@ -100,8 +100,20 @@ def test_humaneval_prompts_come_from_the_installed_package():
 
 
 def test_regret_lines(runs):
-    lines = bench.regret(bench.table(runs))
+    lines = bench.regret(runs)
     assert len(lines) == 2 and "x best fixed" in lines[0] and "x oracle," in lines[0] and "x oracle bound" in lines[0]
+
+
+def test_ratios_pair_runs_of_the_same_repeat():
+    def run(method, repeat, tok_s):
+        return bench.MethodRun(method, 1, repeat, 1.0, {"a": [0] * int(tok_s)}, {}, {}, 0.0)
+
+    # the machine ran at half speed during repeat 1: paired, spin is 1.2x AR in both repeats
+    ar = [run("autoregressive", 0, 100), run("autoregressive", 1, 50), run("autoregressive", 2, 100)]
+    spin = [run("spin", 0, 120), run("spin", 1, 60), run("spin", 2, 120)]
+    assert bench.paired_ratio(spin, ar) == pytest.approx(1.2)
+    assert bench.paired_ratio(spin, ar[:1]) == pytest.approx(1.2)  # only repeats both have
+    assert bench.paired_ratio(spin, []) is None
 
 
 def test_the_oracle_is_run_with_each_request_on_its_hindsight_method(runs):
