@@ -217,6 +217,7 @@ class JointChoice:
     and of the draft positions it runs; and takes off, per drafter, the price of its forwards: as
     many as its deepest slot runs. A slot's drafter is the best at its optimistic (ucb) or sampled
     (thompson) rate; its gamma the best at the posterior mean, so optimism does not buy speculation.
+    Where that favourite does not pay at its mean, the slot takes the best drafter at the mean.
 
     1. Every slot chooses as if each drafter's forwards were shared by all the slots.
     2. Best responses: each slot in turn takes its best choice given the others', which prices
