@@ -53,6 +53,12 @@ def expected_gain(gamma: int, a: float) -> float:
     return (1.0 - a ** (gamma + 1)) / (1.0 - a)
 
 
+def decay_into(sums: list[float], values: tuple[float, ...], decay: float) -> None:
+    """sums[i] = decay * sums[i] + values[i]: the running sums of a decayed least-squares fit."""
+    for i, v in enumerate(values):
+        sums[i] = decay * sums[i] + v
+
+
 def chain_spend(gamma: int, goes_on: float | None) -> tuple[float, float]:
     """Expected (tokens proposed, draft positions run) of a chain capped at gamma.
 
@@ -63,6 +69,12 @@ def chain_spend(gamma: int, goes_on: float | None) -> tuple[float, float]:
     if goes_on is None:
         return float(gamma), float(gamma)
     return expected_gain(gamma, goes_on) - 1.0, expected_gain(gamma, goes_on) - goes_on ** gamma
+
+
+def chain_value(g: int, a: float, verify_price: float, position_price: float, spend: tuple[float, float]) -> float:
+    """E(g, a) minus the price of the tokens verified and the draft positions run (spend: chain_spend(g, ...))."""
+    proposed, ran = spend
+    return expected_gain(g, a) - verify_price * proposed - position_price * ran
 
 
 def best_gamma(a: float, verify_price: float, position_price: float, spend: list[tuple[float, float]],
@@ -76,9 +88,8 @@ def best_gamma(a: float, verify_price: float, position_price: float, spend: list
     """
     best_value, best_g = 1.0, 0
     for g in range(1, len(spend)):
-        proposed, ran = spend[g]
-        value = (expected_gain(g, a) - verify_price * proposed - position_price * ran
-                 - forward_price * max(ran - depth, 0.0))
+        value = (chain_value(g, a, verify_price, position_price, spend[g])
+                 - forward_price * max(spend[g][1] - depth, 0.0))
         if value > best_value:
             best_value, best_g = value, g
     return best_value, best_g
@@ -132,9 +143,8 @@ class DraftCost:
         self._m = [0.0] * 5  # decayed sums: F^2, F P, P^2, F t, P t
 
     def observe(self, forwards: int, positions: int, seconds: float) -> None:
-        d, f, p = self.decay, float(forwards), float(positions)
-        for i, v in enumerate((f * f, f * p, p * p, f * seconds, p * seconds)):
-            self._m[i] = d * self._m[i] + v
+        f, p = float(forwards), float(positions)
+        decay_into(self._m, (f * f, f * p, p * p, f * seconds, p * seconds), self.decay)
 
     def coeffs(self) -> tuple[float, float]:
         """(seconds per forward, seconds per draft position)."""
@@ -170,11 +180,8 @@ class CostModel:
         self.goodput = Ema(0.9, 0.0)  # tokens per second of the whole batch: tracks faster than costs
 
     def observe_verify(self, tokens: int, seconds: float, prefill_tokens: int = 0) -> None:
-        d = self.decay
-        sums = (self._all,) if prefill_tokens else (self._all, self._decode)
-        for m in sums:
-            for i, v in enumerate((1.0, tokens, tokens * tokens, seconds, tokens * seconds)):
-                m[i] = d * m[i] + v
+        for sums in (self._all,) if prefill_tokens else (self._all, self._decode):
+            decay_into(sums, (1.0, tokens, tokens * tokens, seconds, tokens * seconds), self.decay)
 
     def observe_draft(self, drafter: str, positions: int, seconds: float, forwards: int | None = None) -> None:
         """forwards None: one per position (a drafter that does not batch its slots)."""
@@ -249,8 +256,9 @@ class JointChoice:
             allowed = everyone - {d}
             trial = [(None, 0) if p[0] == d else p for p in picks]
             trial = self._settle(trial, allowed)
-            if self._total(trial) > value:
-                picks, value, everyone = trial, self._total(trial), allowed
+            trial_value = self._total(trial)
+            if trial_value > value:
+                picks, value, everyone = trial, trial_value, allowed
         return picks
 
     def _settle(self, picks: list[tuple[str | None, int]], allowed: set[str]) -> list[tuple[str | None, int]]:
@@ -269,26 +277,27 @@ class JointChoice:
                  shared: bool = False) -> tuple[str | None, int]:
         """Slot k's best (drafter, gamma) given the others' picks; shared: forwards split n ways instead."""
         depth = {} if shared else self._depths(picks, skip=k)
-        best, top = None, -math.inf
-        for d in self.rates[k]:
-            if d in allowed:
-                value, _ = self._best(k, d, self.rates[k][d], depth.get(d, 0.0), shared)
-                if value > top:
-                    best, top = d, value
-        if best is None:
+
+        def best_at(rates: dict[str, float]) -> tuple[str | None, int]:
+            """The allowed drafter worth most at these rates (None: none allowed), and its gamma."""
+            top, best, best_g = -math.inf, None, 0
+            for d in rates:
+                if d in allowed:
+                    value, g = self._best(k, d, rates[d], depth.get(d, 0.0), shared)
+                    if value > top:
+                        top, best, best_g = value, d, g
+            return best, best_g
+
+        favourite, _ = best_at(self.rates[k])
+        if favourite is None:
             return None, 0
-        _, g = self._best(k, best, self.means[k][best], depth.get(best, 0.0), shared)
+        _, g = self._best(k, favourite, self.means[k][favourite], depth.get(favourite, 0.0), shared)
         if g:
-            return best, g
+            return favourite, g
         # The optimistic favourite does not pay at its mean: exploit the best drafter at the mean
         # instead of not drafting at all (the favourite is still tried wherever its mean pays).
-        top, best = 1.0, None
-        for d in self.rates[k]:
-            if d in allowed:
-                value, g_d = self._best(k, d, self.means[k][d], depth.get(d, 0.0), shared)
-                if value > top:
-                    top, best, g = value, d, g_d
-        return (best, g) if best is not None else (None, 0)
+        d, g = best_at(self.means[k])  # gamma 0 unless it pays
+        return (d, g) if g else (None, 0)
 
     def _best(self, k: int, d: str, a: float, depth: float, shared: bool) -> tuple[float, int]:
         key = (k, d, a, depth, shared)
@@ -309,14 +318,9 @@ class JointChoice:
 
     def _total(self, picks: list[tuple[str | None, int]]) -> float:
         """V at the drafter-choosing rates."""
-        value = 0.0
-        for k, (d, g) in enumerate(picks):
-            if d is None:
-                value += 1.0
-                continue
-            proposed, ran = self.spend[d][g]
-            value += (expected_gain(g, self.rates[k][d]) - self.verify_price * proposed
-                      - self.lam * self.coeffs[d][1] * ran)
+        value = sum(1.0 if d is None else
+                    chain_value(g, self.rates[k][d], self.verify_price, self.lam * self.coeffs[d][1], self.spend[d][g])
+                    for k, (d, g) in enumerate(picks))
         return value - sum(self.lam * self.coeffs[d][0] * depth for d, depth in self._depths(picks).items())
 
 
@@ -401,10 +405,10 @@ class BanditPolicy(Policy):
                 open_.append((i, req, cap))
         for i, choice in self._joint(open_, verify_price, lam).items():
             out[i] = choice
-        if any(i == explorer for i, _, _ in open_):
+        cap = next((cap for i, _, cap in open_ if i == explorer), 0)
+        if cap:
             # vary gamma only, with the chosen drafter or else the cheapest one: exploring an
             # expensive drafter would make the whole batch wait for its draft rounds
-            cap = next(cap for i, _, cap in open_ if i == explorer)
             name = out[explorer].drafter or min(self.drafters, key=self.cost.draft_cost)
             if self.cost.measured(name):
                 g = self.rng.randint(0, cap)
@@ -415,13 +419,12 @@ class BanditPolicy(Policy):
         """Each open slot's choice (see JointChoice), with its drafter's confidence floor."""
         if not open_:
             return {}
-        goes = {d: self._goes_on(d) for d in self.drafters}
         joint = JointChoice(
             caps=[cap for _, _, cap in open_],
             rates=[{d: self._rate(arm, req.steps) for d, arm in req.arms.items()} for _, req, _ in open_],
             means=[{d: arm.mean for d, arm in req.arms.items()} for _, req, _ in open_],
             coeffs={d: self.cost.draft_coeffs(d) for d in self.drafters},
-            goes_on=goes, verify_price=verify_price, lam=lam)
+            goes_on={d: self._goes_on(d) for d in self.drafters}, verify_price=verify_price, lam=lam)
         picks = joint.solve()
         sharing = Counter(d for d, _ in picks if d is not None)
         return {i: Choice(d, g, self._floor(d, verify_price + lam * self.cost.draft_cost(d, sharing[d])))

@@ -196,8 +196,8 @@ def attention_ref(
     return out
 
 
-# Segments with at most this many new tokens (decode, verify) are attended together in one
-# batched call; longer ones (prefill chunks) keep a call each.
+# Segments with at most this many new tokens (decode, verify) are attended in batched calls,
+# grouped by AttentionPlan; longer ones (prefill chunks) keep a call each.
 SHORT_SEGMENT = 16
 
 
@@ -245,7 +245,7 @@ class _ShortGroup:
                 qpos[r][j] = c + min(j, n - 1)
             take.extend(r * nmax + j for j in range(n))
         count = sum(lens)
-        contiguous = starts == [starts[0] + sum(lens[:k]) for k in range(len(members))]
+        contiguous = all(starts[k + 1] == starts[k] + lens[k] for k in range(len(members) - 1))
         self.rows: slice | torch.Tensor = (
             slice(starts[0], starts[0] + count) if contiguous
             else torch.tensor([a + j for a, n in zip(starts, lens) for j in range(n)], device=device)
