@@ -176,10 +176,13 @@ def report(out_dir, png):
               help="Temperature of the sampled completions.")
 @click.option("--weight-decay", type=float, default=0.0, show_default=True,
               help="AdamW weight decay: a regulariser when the drafts overfit the teacher data.")
+@click.option("--precision", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
+              help="Training matmuls: bfloat16 autocast (weights, optimizer and losses stay float32) or float32; "
+                   "auto: bfloat16 where the hardware has it natively (about 2.4x faster on an AMX CPU).")
 @click.option("--no-progress", is_flag=True)
 def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_tokens, vocab, topk, max_tokens,
             slots, seed, device, save_dtype, plain, feature_weight, no_unroll, samples, sample_temperature,
-            weight_decay, no_progress):
+            weight_decay, precision, no_progress):
     """Train a family of small drafts that imitate TARGET, by distillation on its own outputs.
 
     The target generates completions for the prompts (a resumable job under OUT/data), scores
@@ -221,7 +224,7 @@ def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_t
         samples=samples, sample_temperature=sample_temperature,
         train=TrainSettings(epochs=epochs, steps=steps, batch_tokens=batch_tokens, lr=lr, seed=seed,
                             features=not plain, feature_weight=feature_weight, unroll=not no_unroll,
-                            weight_decay=weight_decay),
+                            weight_decay=weight_decay, precision=precision),
     )
     try:
         report = run_distill(settings, progress=not no_progress)

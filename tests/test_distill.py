@@ -72,6 +72,32 @@ def test_weight_decay_shrinks_the_trained_weights(tiny_distilled, tiny_dir):
     assert norm(10.0) < 0.8 * norm(0.0)
 
 
+def test_bf16_autocast_trains_as_well_as_float32(tiny_distilled, tiny_dir):
+    """precision=bfloat16 really rounds the matmuls (a different result from float32), and learns as well."""
+    from spin_batch.distill.train import TrainSettings, autocast_dtype, train_draft
+
+    settings, _ = tiny_distilled
+    data = TeacherData.load(settings.out / "data" / "train.pt", _key(settings))
+    target = load_model(tiny_dir)
+    vocab_ids = DraftNet.from_saved(settings.out / "d2x64", target.embed, target.norm).vocab_ids
+    cpu = torch.device("cpu")
+    nets = {}
+    for precision in ("float32", "bfloat16"):
+        train = TrainSettings(steps=40, batch_tokens=256, seed=0, precision=precision)
+        nets[precision], info = train_draft(DraftArch.parse("1x64"), data, target, vocab_ids, train, cpu, False)
+        assert info["precision"] == precision
+        assert all(p.dtype == torch.float32 for p in nets[precision].parameters())
+    w32, w16 = (nets[k].layers[0].q_proj.weight for k in ("float32", "bfloat16"))
+    assert not torch.equal(w32, w16)
+    fresh = DraftNet(DraftArch.parse("1x64"), target.embed, target.norm, vocab_ids, target.spec.rope_theta,
+                     reads_features=True)
+    a32, a16, a0 = (agreement(n, data, cpu)["all"] for n in (nets["float32"], nets["bfloat16"], fresh))
+    assert a16 > a0 + 0.2 and abs(a16 - a32) < 0.1
+    assert autocast_dtype("float32", cpu) is None and autocast_dtype("bfloat16", cpu) is torch.bfloat16
+    with pytest.raises(ValueError, match="precision 'fp8'"):
+        autocast_dtype("fp8", cpu)
+
+
 def test_sampled_completions_add_teacher_contexts(tmp_path, tiny_distilled, tiny_dir):
     """--samples 2: the greedy generation is reused (same key), two sampled jobs add a sequence per
     prompt each, their completions are not all the greedy ones, and the cache key changes."""
@@ -262,6 +288,9 @@ def test_cli_rejects_bad_arguments_before_loading(tmp_path):
     r = CliRunner().invoke(main, ["distill", "--target", "builtin:smollm2-135m", "--prompts", str(prompts),
                                   "--out", str(tmp_path / "o"), "--samples", "2", "--sample-temperature", "0"])
     assert r.exit_code != 0 and "--sample-temperature must be > 0" in r.output and not (tmp_path / "o").exists()
+    r = CliRunner().invoke(main, ["distill", "--target", "builtin:smollm2-135m", "--prompts", str(prompts),
+                                  "--out", str(tmp_path / "o"), "--precision", "fp8"])
+    assert r.exit_code != 0 and "--precision" in r.output and not (tmp_path / "o").exists()
 
 
 def _key(settings) -> str:

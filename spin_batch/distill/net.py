@@ -168,14 +168,14 @@ class DraftNet(nn.Module):
         x = self.embed[tokens]
         if self.reads_features:
             x = torch.cat((x, feats), dim=-1)
-        h = self.embed_proj(x)
+        h = self.embed_proj(x).float()  # the residual stream stays float32 under autocast
         for layer in self.layers:
             h = layer(h, cos, sin, self.eps)
         h = _rms(h, self.norm, self.eps)
         if not self.reads_features:  # one [K, C] matmul, as at inference
-            return h @ (self.head_e @ self.lm_head_proj.weight).T, None
-        g = self.lm_head_proj(h)
-        return g @ self.head_e.T, g
+            return (h @ (self.head_e @ self.lm_head_proj.weight).T).float(), None
+        g = self.lm_head_proj(h).float()
+        return (g @ self.head_e.T).float(), g
 
     def round_to(self, dtype: torch.dtype) -> None:
         """Round the weights to dtype in place (kept in float32): what is saved is what was measured."""

@@ -34,6 +34,7 @@ class TrainSettings:
     feature_weight: float = 1.0  # weight of the feature regression loss
     unroll: bool = True  # also train the second draft step, on the draft's own predicted features
     weight_decay: float = 0.0  # AdamW decoupled weight decay (a regulariser against overfitting the teacher data)
+    precision: str = "auto"  # matmuls in "bfloat16" (autocast), "float32", or "auto": bf16 where it is native
 
 
 def choose_vocab(data: TeacherData, size: int, vocab_size: int, always: list[int],
@@ -148,6 +149,26 @@ def distill_loss(net: DraftNet, b: Batch, feature_weight: float, unroll: bool) -
     return loss
 
 
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for training matmuls: None for float32 throughout.
+
+    "auto" picks bfloat16 where the hardware multiplies it natively (CUDA with bf16, CPUs with
+    AVX512-BF16 or AMX). Weights, optimizer state, norms, the residual stream and the losses stay
+    float32; only the matmul inputs are rounded, with float32 accumulation.
+    """
+    if precision == "float32":
+        return None
+    if precision == "bfloat16":
+        return torch.bfloat16
+    if precision != "auto":
+        raise ValueError(f"precision {precision!r} is not auto, bfloat16 or float32")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else None
+    native = device.type == "cpu" and torch.backends.mkldnn.is_available() \
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.bfloat16 if native else None
+
+
 def train_draft(arch: DraftArch, data: TeacherData, target: LlamaModel, vocab_ids: torch.Tensor,
                 settings: TrainSettings, device: torch.device, progress: bool = True) -> tuple[DraftNet, dict]:
     from tqdm import tqdm
@@ -163,6 +184,7 @@ def train_draft(arch: DraftArch, data: TeacherData, target: LlamaModel, vocab_id
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=settings.lr,
                             betas=(0.9, 0.95), weight_decay=settings.weight_decay)
     warm = max(1, min(50, steps // 20))
+    amp = autocast_dtype(settings.precision, device)
 
     def lr_at(step: int) -> float:
         if step < warm:
@@ -181,7 +203,8 @@ def train_draft(arch: DraftArch, data: TeacherData, target: LlamaModel, vocab_id
         batch = collate(data, queue.pop(), lookup, settings.prompt_weight, device, settings.features)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        loss = distill_loss(net, batch, settings.feature_weight, settings.unroll)
+        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            loss = distill_loss(net, batch, settings.feature_weight, settings.unroll)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -194,7 +217,8 @@ def train_draft(arch: DraftArch, data: TeacherData, target: LlamaModel, vocab_id
     info = {"steps": steps, "steps_per_epoch": per_epoch, "train_s": round(time.perf_counter() - t0, 1),
             "final_loss": round(statistics.fmean(losses[-20:]), 4), "lr": settings.lr, "seed": settings.seed,
             "batch_tokens": settings.batch_tokens, "train_tokens": data.num_tokens(),
-            "reads_target_features": settings.features, "unroll": settings.unroll and settings.features}
+            "reads_target_features": settings.features, "unroll": settings.unroll and settings.features,
+            "precision": str(amp).removeprefix("torch.") if amp else "float32"}
     return net, info
 
 
