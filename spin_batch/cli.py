@@ -150,7 +150,7 @@ def report(out_dir, png):
               help="Comma-separated draft sizes, LAYERSxWIDTH[:HEAD_IDS].")
 @click.option("--heldout", multiple=True, help="Held-out prompts for the agreement figures (repeatable).")
 @click.option("--steps", type=int, default=None, help="Optimizer steps per draft (default: from --epochs).")
-@click.option("--epochs", type=float, default=4.0, show_default=True, help="Passes over the data per draft.")
+@click.option("--epochs", type=float, default=12.0, show_default=True, help="Passes over the data per draft.")
 @click.option("--lr", type=float, default=3e-3, show_default=True)
 @click.option("--batch-tokens", type=int, default=2048, show_default=True, help="Padded tokens per step.")
 @click.option("--vocab", type=int, default=8192, show_default=True,
