@@ -140,12 +140,7 @@ def distilled_draft_dtype(target_dtype: str, device: torch.device) -> str:
     """A distilled draft's default dtype: bfloat16 where bf16 matmuls are native (GPUs with bf16,
     CPUs with AVX512-BF16/AMX), which halves the weights it streams per draft token; else the
     target's. A draft's precision never changes the output, only how often its tokens are accepted."""
-    if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported(including_emulation=False)
-    else:
-        native = device.type == "cpu" and torch.backends.mkldnn.is_available() \
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return "bfloat16" if native else target_dtype
+    return "bfloat16" if loader.native_bf16(device) else target_dtype
 
 
 def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: torch.device) -> dict[str, Drafter]:

@@ -72,7 +72,7 @@ def test_weight_decay_shrinks_the_trained_weights(tiny_distilled, tiny_dir):
     assert norm(10.0) < 0.8 * norm(0.0)
 
 
-def test_bf16_autocast_trains_as_well_as_float32(tiny_distilled, tiny_dir):
+def test_bf16_autocast_trains_as_well_as_float32(tiny_distilled, tiny_dir, monkeypatch):
     """precision=bfloat16 really rounds the matmuls (a different result from float32), and learns as well."""
     from spin_batch.distill.train import TrainSettings, autocast_dtype, train_draft
 
@@ -96,6 +96,9 @@ def test_bf16_autocast_trains_as_well_as_float32(tiny_distilled, tiny_dir):
     assert autocast_dtype("float32", cpu) is None and autocast_dtype("bfloat16", cpu) is torch.bfloat16
     with pytest.raises(ValueError, match="precision 'fp8'"):
         autocast_dtype("fp8", cpu)
+    for native in (True, False):  # auto: bf16 only where the CPU multiplies it natively
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
+        assert autocast_dtype("auto", cpu) is (torch.bfloat16 if native else None)
 
 
 def test_sampled_completions_add_teacher_contexts(tmp_path, tiny_distilled, tiny_dir):

@@ -162,11 +162,9 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
         return torch.bfloat16
     if precision != "auto":
         raise ValueError(f"precision {precision!r} is not auto, bfloat16 or float32")
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else None
-    native = device.type == "cpu" and torch.backends.mkldnn.is_available() \
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return torch.bfloat16 if native else None
+    from ..models.loader import native_bf16
+
+    return torch.bfloat16 if native_bf16(device) else None
 
 
 def train_draft(arch: DraftArch, data: TeacherData, target: LlamaModel, vocab_ids: torch.Tensor,

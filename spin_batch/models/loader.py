@@ -49,6 +49,14 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls are native here: GPUs with bf16, CPUs with AVX512-BF16 or AMX."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() \
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def builtin_name(spec: str) -> str | None:
     if not spec.startswith(BUILTIN_PREFIX):
         return None
