@@ -95,7 +95,7 @@ def test_bf16_autocast_trains_as_well_as_float32(tiny_distilled, tiny_dir, monke
     assert a16 > a0 + 0.2 and abs(a16 - a32) < 0.1
     assert autocast_dtype("float32", cpu) is None and autocast_dtype("bfloat16", cpu) is torch.bfloat16
     with pytest.raises(ValueError, match="precision 'fp8'"):
-        autocast_dtype("fp8", cpu)
+        TrainSettings(precision="fp8")
     for native in (True, False):  # auto: bf16 only where the CPU multiplies it natively
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
         assert autocast_dtype("auto", cpu) is (torch.bfloat16 if native else None)

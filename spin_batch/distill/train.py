@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.llama import LlamaModel
+from ..models.loader import native_bf16
 from ..models.segments import Segments
 from .data import TeacherData
 from .net import DraftArch, DraftNet
@@ -36,6 +37,12 @@ class TrainSettings:
     weight_decay: float = 0.0  # AdamW decoupled weight decay (a regulariser against overfitting the teacher data)
     precision: str = "auto"  # matmuls in "bfloat16" (autocast), "float32", or "auto": bf16 where it is native
 
+    def __post_init__(self) -> None:  # rejected here, not after the teacher data is made
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+
+
+PRECISIONS = ("auto", "bfloat16", "float32")
 
 def choose_vocab(data: TeacherData, size: int, vocab_size: int, always: list[int],
                  prompt_weight: float = 0.1) -> torch.Tensor:
@@ -158,13 +165,7 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """
     if precision == "float32":
         return None
-    if precision == "bfloat16":
-        return torch.bfloat16
-    if precision != "auto":
-        raise ValueError(f"precision {precision!r} is not auto, bfloat16 or float32")
-    from ..models.loader import native_bf16
-
-    return torch.bfloat16 if native_bf16(device) else None
+    return torch.bfloat16 if precision == "bfloat16" or native_bf16(device) else None
 
 
 def train_draft(arch: DraftArch, data: TeacherData, target: LlamaModel, vocab_ids: torch.Tensor,
