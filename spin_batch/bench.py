@@ -10,7 +10,8 @@ Methods (extensible through METHODS):
 - fixed:<name>: our loop with one drafter.
 - spin: our loop with the SPIN bandit (selector ucb), pipeline as the job resolves it;
   spin-nopipe / spin-pipe force the pipeline off / on; thompson and round_robin likewise;
-  spin-nogate turns the drafters' confidence gate off (spin.confidence_gate: false).
+  spin-nogate turns the drafters' confidence gate off (spin.confidence_gate: false); spin-nobackoff
+  speculates at every step the bandit chooses to (spin.backoff: false).
 - oracle: a hindsight schedule, then run. From the runs above, each request is given the method
   (a fixed drafter, or no drafting) that cost it the least time, where a request's time is its
   share of each step; then the loop runs once more with every request on its given method.
@@ -71,9 +72,10 @@ def peak_rss_mb() -> float:
 
 
 def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots: int, repeat: int,
-             label: str, pipeline: bool, gate: bool = True, assign: dict[str, str | None] | None = None) -> MethodRun:
+             label: str, pipeline: bool, gate: bool = True, assign: dict[str, str | None] | None = None,
+             backoff: bool = True) -> MethodRun:
     loop = engine.loop
-    loop.policy = make_policy(selector, loop.drafters, gamma, confidence_gate=gate, assign=assign)
+    loop.policy = make_policy(selector, loop.drafters, gamma, confidence_gate=gate, assign=assign, backoff=backoff)
     loop.cfg = replace(loop.cfg, pipeline=pipeline)
     loop.stats = RunStats()
     tokens: dict[str, list[int]] = {}
@@ -157,7 +159,7 @@ def oracle(runs: list[MethodRun], slots: int, repeat: int) -> MethodRun | None:
 
 
 SELECTOR_METHODS = {"autoregressive": "none", "spin": "ucb", "spin-nopipe": "ucb", "spin-pipe": "ucb",
-                    "spin-nogate": "ucb", "thompson": "thompson", "round_robin": "round_robin"}
+                    "spin-nogate": "ucb", "spin-nobackoff": "ucb", "thompson": "thompson", "round_robin": "round_robin"}
 
 
 def default_methods(job: JobConfig) -> list[str]:
@@ -243,8 +245,9 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
                     selector = SELECTOR_METHODS.get(m, m)
                     pipeline = {"spin-nopipe": False, "spin-pipe": True}.get(m, job_pipeline)
                     gate = job.spin.confidence_gate and m != "spin-nogate"
+                    backoff = job.spin.backoff and m != "spin-nobackoff"
                     this_repeat.append(run_loop(engine, selector, job.spin.num_speculative_tokens, data, slots, r, m,
-                                                pipeline, gate))
+                                                pipeline, gate, backoff=backoff))
                 bar.update(1)
             if "oracle" in methods:
                 bound = oracle(this_repeat, slots, r)

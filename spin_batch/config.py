@@ -593,6 +593,8 @@ class SpinConfig:
     pipeline: Literal["auto", "on", "off"] = "auto"  # auto: on for CUDA, off on CPU
     # model drafters stop a chain where their own confidence no longer pays for a verified token
     confidence_gate: bool = True
+    # the bandits speculate at a step only while speculating steps measure more goodput than plain ones
+    backoff: bool = True
 
     @classmethod
     def _parse(cls, s: _Section) -> SpinConfig:
@@ -602,6 +604,7 @@ class SpinConfig:
             num_speculative_tokens=s.take("num_speculative_tokens", _int(lo=1, hi=32)),
             pipeline=s.take("pipeline", _choice("auto", "on", "off")),
             confidence_gate=s.take("confidence_gate", _bool),
+            backoff=s.take("backoff", _bool),
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -14,8 +15,10 @@ class World:
     """Slots whose drafters accept each token with a fixed probability; costs are linear."""
 
     def __init__(self, rates: dict[str, float], draft_cost: dict[str, float], c0: float, c1: float, seed: int = 0,
-                 confident: float | None = None):
+                 confident: float | None = None, spec_overhead: float = 0.0):
         self.rates, self.draft_cost, self.c0, self.c1 = rates, draft_cost, c0, c1
+        # seconds a step spends outside the modelled stages whenever a slot drafts (in "select")
+        self.spec_overhead = spec_overhead
         self.rng = random.Random(seed)
         # None: every draft token is accepted with its drafter's rate. A share p: a draft position is
         # sure (its draft probability and acceptance 0.99) with chance p, else unsure (0.1), and a
@@ -60,9 +63,10 @@ class World:
             f, s = self.draft_cost[d] if isinstance(self.draft_cost[d], tuple) else (0.0, self.draft_cost[d])
             draft_s[d] = f * forwards[d] + s * n
         verify = self.c0 + self.c1 * tokens
-        self.seconds += verify + sum(draft_s.values())
-        policy.learn(outcomes, StepCosts({"draft": sum(draft_s.values()), "verify": verify}, tokens, draft_s,
-                                         draft_tokens, forwards))
+        other = self.spec_overhead if draft_tokens else 0.0
+        self.seconds += verify + sum(draft_s.values()) + other
+        policy.learn(outcomes, StepCosts({"select": other, "draft": sum(draft_s.values()), "verify": verify}, tokens,
+                                         draft_s, draft_tokens, forwards))
         return choices
 
 
@@ -94,11 +98,12 @@ def test_converges_to_the_best_drafter(mode):
 
 
 def _late_share(c0: float, c1: float, speculating: bool, seeds=range(5)) -> float:
-    """Share of the second half of picks (8 slots, a = 0.5) that do (or do not) speculate, over seeds."""
+    """Share of the second half of picks (8 slots, a = 0.5) that do (or do not) speculate, over seeds: the cost
+    model's choices alone (the back-off gate's refresh steps aside, see test_backoff_*)."""
     shares = []
     for seed in seeds:
         world = World({"d": 0.5}, {"d": 0.001}, c0=c0, c1=c1, seed=seed)
-        policy = BanditPolicy(["d"], max_gamma=4, seed=seed)
+        policy = BanditPolicy(["d"], max_gamma=4, seed=seed, backoff=False)
         picks = run_requests(policy, world, n_requests=10, steps_per_request=20, slots=8)
         late = picks[len(picks) // 2:]
         shares.append(sum((c.gamma > 0) == speculating for c in late) / len(late))
@@ -113,6 +118,95 @@ def test_backs_off_to_gamma_zero_when_verification_is_expensive():
 
 def test_speculates_when_verification_is_cheap():
     assert _late_share(c0=0.04, c1=0.0005, speculating=True) > 0.9
+
+
+def _backoff_world(backoff: bool, overhead: float, seed: int) -> tuple[float, float]:
+    """(share of the second half of steps that speculated, goodput) at 8 slots, a = 0.6, where verification is
+    cheap enough that the cost model sees speculation pay, and each speculating step also spends `overhead`
+    seconds the model does not price."""
+    world = World({"d": 0.6}, {"d": 0.0005}, c0=0.04, c1=0.002, seed=seed, spec_overhead=overhead)
+    policy = BanditPolicy(["d"], max_gamma=4, seed=seed, backoff=backoff)
+    spec_steps = []
+    for _ in range(10):
+        for s in range(8):
+            policy.on_admit(s)
+        for _ in range(40):
+            spec_steps.append(any(c.gamma for c in world.step(policy, list(range(8)))))
+    late = spec_steps[len(spec_steps) // 2:]
+    return sum(late) / len(late), world.gained / world.seconds
+
+
+def test_backoff_turns_speculation_off_where_its_steps_measure_slower():
+    # unpriced overhead of 0.06 s a speculating step: plain steps (8 tokens in 0.056 s) beat speculating
+    # ones (~17 tokens in ~0.08 + 0.06 s), though the model, blind to the overhead, prices speculation ahead
+    for seed in range(3):
+        blind, blind_goodput = _backoff_world(False, 0.06, seed)
+        gated, gated_goodput = _backoff_world(True, 0.06, seed)
+        assert blind > 0.9, blind  # the cost model alone keeps speculating
+        assert gated < 0.2, gated  # the gate runs plain steps, bar its refresh bursts (3 steps in 19)
+        assert gated_goodput > 1.15 * blind_goodput, (gated_goodput, blind_goodput)
+
+
+def _gate_steps(gate, n: int, goodput, switch_cost: float = 10.0, slots: int = 4) -> list[bool]:
+    """Run n steps through a StepGate; goodput(step, mode) gives tokens per second, and a step that
+    switches mode takes switch_cost times as long (the drafters' catch-up)."""
+    modes = []
+    for _ in range(n):
+        mode = gate.speculate(slots)
+        step = len(modes)
+        modes.append(mode)
+        seconds = 1.0 if gate.steady else switch_cost
+        gate.observe(slots, mode, goodput(step, mode) * 1.0, seconds)
+    return modes
+
+
+def test_step_gate_pairs_a_burst_with_the_steps_before_it():
+    from spin_batch.engine.bandit import GATE_BURST, GATE_WARMUP, StepGate
+
+    gate = StepGate()
+    modes = _gate_steps(gate, GATE_WARMUP + 1 + GATE_BURST, lambda step, mode: 20 if mode else 10)
+    # warm-up (the first step has nothing before it, so is not scored), then a plain burst whose
+    # first step pays the switch and is not scored either
+    assert modes == [True] * (GATE_WARMUP + 1) + [False] * GATE_BURST
+    assert gate.warm[3] == GATE_WARMUP and gate.pairs[3] == 0
+    assert gate.speculate(4)  # the burst closes: one pair, speculation 2x ahead
+    assert gate.pairs[3] == 1 and gate.log_ratio[3] == pytest.approx(math.log(2.0))
+    assert gate.band(6) == gate.band(4) != gate.band(8)
+
+
+@pytest.mark.parametrize("spec_ahead", [1.15, 1 / 1.15])
+def test_step_gate_follows_the_faster_mode_through_drift(spec_ahead):
+    """The machine's speed swings by +-30% over 100 steps, twice the gap between the modes: speculating
+    steps measure spec_ahead times the goodput of plain ones at the same moment. The gate must still pick
+    the faster mode most of the time; with plain ahead, 3 steps in 19 are the bursts that re-check it."""
+    from spin_batch.engine.bandit import StepGate
+
+    def goodput(step: int, mode: bool) -> float:
+        speed = 1.0 + 0.3 * math.sin(2 * math.pi * step / 100)
+        return speed * (100.0 * spec_ahead if mode else 100.0)
+
+    modes = _gate_steps(StepGate(), 800, goodput)
+    late = modes[200:]
+    right = sum(m == (spec_ahead > 1) for m in late) / len(late)
+    assert right > 0.8, right
+
+
+def test_backoff_is_for_the_bandits_only():
+    # fixed, assigned and round_robin run what they are told; backoff: false (spin-nobackoff) turns it off
+    assert BanditPolicy(["d"], max_gamma=4, mode="ucb").gate is not None
+    assert BanditPolicy(["d"], max_gamma=4, mode="thompson").gate is not None
+    assert BanditPolicy(["d"], max_gamma=4, mode="ucb", backoff=False).gate is None
+    for mode in ("fixed", "round_robin", "assigned"):
+        assert BanditPolicy(["d"], max_gamma=4, mode=mode).gate is None
+    assert make_policy("ucb", ["d"], 4, backoff=False).gate is None
+
+
+def test_backoff_keeps_speculation_that_pays():
+    for seed in range(3):
+        gated, gated_goodput = _backoff_world(True, 0.0, seed)
+        blind, blind_goodput = _backoff_world(False, 0.0, seed)
+        assert gated > 0.85, gated
+        assert gated_goodput > 0.95 * blind_goodput, (gated_goodput, blind_goodput)
 
 
 def test_warm_start_reduces_exploration():

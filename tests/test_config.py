@@ -101,6 +101,7 @@ def test_minimal_job_gets_defaults():
     assert job.drafters == ()
     assert job.spin == SpinConfig(selector="none", num_speculative_tokens=4)
     assert job.spin.confidence_gate
+    assert job.spin.backoff
     assert job.batch == BatchConfig()
     assert job.sampling == SamplingConfig()
     assert job.sampling.greedy
@@ -226,6 +227,7 @@ def test_missing_drafter_kind():
         ("sampling", "temperature", False, "sampling.temperature: expected a number, got bool False"),
         ("sampling", "ignore_eos", 1, "sampling.ignore_eos: expected true or false, got int 1"),
         ("spin", "confidence_gate", "off", "spin.confidence_gate: expected true or false, got str 'off'"),
+        ("spin", "backoff", "no", "spin.backoff: expected true or false, got str 'no'"),
         ("output", "dir", 3, "output.dir: expected a string, got int 3"),
     ],
 )

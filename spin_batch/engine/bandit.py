@@ -28,13 +28,19 @@ E(g, c) - c^g draft positions (the position the gate stopped at was drafted too)
 
 Warm start: new requests start from the pooled posterior of all requests so far, scaled
 down to a few pseudo-observations, so short requests do not pay for exploration.
+
+Back-off (StepGate): the cost model prices what it models, not all a speculating step spends
+(selection itself, a drafter catching up on the tokens it skipped, bookkeeping per draft, and
+whatever the fitted lines miss). So the batch also keeps score of the outcome: per batch size,
+the goodput measured over steps that ran the bandit's choices and over steps that drafted
+nothing, and a step speculates only while speculating steps measure ahead.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
@@ -43,6 +49,12 @@ PRIOR_STRENGTH = 6.0  # pseudo-tokens a warm start is worth
 DEFAULT_RATE = 0.3  # prior acceptance before anything was pooled
 JOINT_PASSES = 3  # best-response passes over the batch (JointChoice)
 DECODE_FIT_STEPS = 4.0  # decayed weight of decode steps the verify fit needs before it drops prefill steps
+GATE_WARMUP = 8  # scored speculating steps a batch size runs before plain decoding is tried
+GATE_REFRESH = 16  # the mode behind runs a burst once in this many steps (or up to 4x as many), so it can win back
+GATE_BURST = 3  # steps in that burst: the first one pays the switch and is not scored
+GATE_WINDOW = 8  # the other mode's last scored steps a burst is paired with
+GATE_DECAY = 0.7  # per paired sample, of the band's mean log ratio: ~3 samples of memory
+GATE_MARGIN = 1.05  # plain decoding must measure this much more goodput to turn speculation off
 
 
 def expected_gain(gamma: int, a: float) -> float:
@@ -217,6 +229,92 @@ class CostModel:
         return drafter in self.drafts
 
 
+class StepGate:
+    """Batch-level back-off: whether a step runs the bandit's choices or drafts nothing at all.
+
+    It compares the two modes by their measured outcome, every stage included, per batch size
+    (decoding slots, in power-of-two bands), and in pairs close in time, as the bench does: this
+    machine's speed drifts by more than the gap it has to judge, and a mode measured only long ago
+    would be compared with the other one's recent steps.
+
+    A band first speculates for GATE_WARMUP scored steps (the bandit's own learning). Then, and
+    every GATE_REFRESH steps after (plain decoding up to 4 times as seldom while speculation is
+    far ahead), the mode that is behind runs a burst of GATE_BURST steps. The burst's goodput over
+    the other mode's last GATE_WINDOW scored steps is one paired sample of the ratio, and the band
+    keeps a decayed mean of its log. A step speculates unless plain decoding leads by GATE_MARGIN:
+    at a small batch, where speculation pays most, a step's gain is noisiest.
+
+    Only steps that continue a run of their mode are scored. The first speculating step after
+    plain ones pays for the drafters catching up on every token they skipped (at 4 slots, 64
+    tokens after 16 plain steps), which steady speculation does not.
+    """
+
+    def __init__(self) -> None:
+        self.recent: dict[tuple[int, bool], deque[tuple[float, float]]] = {}  # (band, mode): (tokens, seconds)
+        self.log_ratio: dict[int, float] = {}  # per band: decayed mean of log(speculating / plain goodput)
+        self.pairs: Counter = Counter()  # per band: paired samples taken
+        self.warm: Counter = Counter()  # per band: scored speculating steps
+        self._since: Counter = Counter()  # per band: steps since the last burst
+        self._burst: dict[int, list] = {}  # per band: [mode, steps still to run, tokens, seconds] of a burst
+        self._last: bool | None = None  # the mode of the previous step (the drafters' state is global)
+        self.steady = False  # whether the current step continues a run of its mode (then it is scored)
+
+    @staticmethod
+    def band(slots: int) -> int:
+        return max(slots, 1).bit_length()  # 1 | 2-3 | 4-7 | 8-15 | 16-31 | ...
+
+    def speculates(self, band: int) -> bool:
+        """The band's verdict so far: speculate unless plain decoding measured GATE_MARGIN ahead."""
+        return self.log_ratio.get(band, 0.0) >= -math.log(GATE_MARGIN)
+
+    def speculate(self, slots: int) -> bool:
+        """Whether a step over this many decoding slots should run the bandit's choices."""
+        band = self.band(slots)
+        burst = self._burst.get(band)
+        if burst is not None and burst[1] == 0:
+            self._pair(band, *self._burst.pop(band))
+        mode = self._mode(band)
+        self.steady, self._last = self._last == mode, mode
+        return mode
+
+    def _mode(self, band: int) -> bool:
+        if self.warm[band] < GATE_WARMUP:
+            return True
+        burst = self._burst.get(band)
+        if burst is None:
+            winner = self.speculates(band)
+            ahead = self.log_ratio.get(band, 0.0) if winner else 0.0
+            self._since[band] += 1
+            if self.pairs[band] and self._since[band] < GATE_REFRESH * min(max(ahead / 0.05, 1.0), 4.0):
+                return winner
+            self._since[band] = 0
+            burst = self._burst[band] = [not winner, GATE_BURST, 0.0, 0.0]
+        burst[1] -= 1
+        return burst[0]
+
+    def observe(self, slots: int, speculate: bool, tokens: int, seconds: float) -> None:
+        band = self.band(slots)
+        if not self.steady or seconds <= 0:
+            return
+        self.recent.setdefault((band, speculate), deque(maxlen=GATE_WINDOW)).append((tokens, seconds))
+        self.warm[band] += speculate
+        burst = self._burst.get(band)
+        if burst is not None and burst[0] == speculate:
+            burst[2] += tokens
+            burst[3] += seconds
+
+    def _pair(self, band: int, mode: bool, _left: int, tokens: float, seconds: float) -> None:
+        """One paired sample: the burst just run against the other mode's steps before it."""
+        before = self.recent.get((band, not mode))
+        if not before or tokens <= 0 or seconds <= 0:
+            return
+        other = sum(t for t, _ in before) / sum(s for _, s in before)
+        sample = math.log((tokens / seconds) / other) * (1 if mode else -1)
+        old = self.log_ratio.get(band)
+        self.log_ratio[band] = sample if old is None else GATE_DECAY * old + (1 - GATE_DECAY) * sample
+        self.pairs[band] += 1
+
+
 class JointChoice:
     """Every open slot's (drafter, gamma) at one step, chosen together: a drafter's slots share its forwards.
 
@@ -334,7 +432,9 @@ class RequestArms:
 class BanditPolicy(Policy):
     """`ucb` (optimistic acceptance), `thompson` (sampled acceptance), `round_robin`, `fixed` (the one
     drafter given, at max_gamma: the policy only prices its confidence floor), or `assigned` (like
-    `fixed`, but each request runs the drafter `assign` maps its id to, or none)."""
+    `fixed`, but each request runs the drafter `assign` maps its id to, or none).
+
+    backoff: ucb and thompson steps pass the StepGate first (the others run what they are told)."""
 
     drafters: list[str]
     max_gamma: int
@@ -350,6 +450,7 @@ class BanditPolicy(Policy):
     pooled: dict[str, Beta] = field(default_factory=dict)
     requests: dict[int, RequestArms] = field(default_factory=dict)  # by slot
     assign: dict[str, str | None] = field(default_factory=dict)  # mode `assigned`: request id -> drafter
+    backoff: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("ucb", "thompson", "round_robin", "fixed", "assigned"):
@@ -360,6 +461,8 @@ class BanditPolicy(Policy):
         self.goes_on = {d: Beta(1.0, 1.0) for d in self.drafters if d in self.gated}
         self._rr = 0
         self._slot_drafter: dict[int, str | None] = {}  # mode `assigned`: the drafter of each slot's request
+        self.gate = StepGate() if self.backoff and self.mode in ("ucb", "thompson") else None
+        self._step: tuple[int, bool] | None = None  # (decoding slots, speculated) of the step being run
 
     # -- per-request state ----------------------------------------------------------------
 
@@ -386,6 +489,10 @@ class BanditPolicy(Policy):
             names = [self.drafters[0] if self.mode == "fixed" else self._slot_drafter.get(s) for s in slots]
             sharing = Counter(n for n, cap in zip(names, caps) if n is not None and cap > 0)
             return [self._fixed(n, cap, verify_price, lam, sharing[n]) for n, cap in zip(names, caps)]
+        if self.gate is not None:
+            self._step = (len(slots), self.gate.speculate(len(slots)))
+            if not self._step[1]:
+                return [NO_SPEC] * len(slots)
         # a drafter whose cost is still unknown is tried by one slot, with a short draft: trying
         # it on every slot at once could stall the whole batch behind an expensive drafter
         unmeasured = [d for d in self.drafters if not self.cost.measured(d)]
@@ -477,6 +584,8 @@ class BanditPolicy(Policy):
         decode_s = self._decode_seconds(outcomes, costs)
         if gained and decode_s > 0:
             self.cost.goodput.update(gained / decode_s)
+        if self.gate is not None and self._step is not None:
+            self.gate.observe(self._step[0], self._step[1], gained, decode_s)
         for o in outcomes:
             if o.choice.drafter is None or o.choice.gamma == 0:
                 continue

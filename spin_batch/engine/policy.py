@@ -71,9 +71,10 @@ class FixedDrafter(Policy):
 
 
 def make_policy(selector: str, drafters, max_gamma: int, seed: int = 0, confidence_gate: bool = True,
-                assign: dict[str, str | None] | None = None) -> Policy:
+                assign: dict[str, str | None] | None = None, backoff: bool = True) -> Policy:
     """`drafters`: the loop's drafters by name, or bare names (then none is gated). With confidence_gate,
     the bandits give the drafters that honour Choice.min_prob (`gates`) a floor priced by their cost model.
+    With backoff, ucb and thompson speculate at a step only while that measures ahead (bandit.StepGate).
 
     `assign` (the bench's realised oracle) overrides the selector: each request id runs its own fixed
     drafter, or none (None or absent), exactly as `fixed:<name>` would run it.
@@ -93,7 +94,7 @@ def make_policy(selector: str, drafters, max_gamma: int, seed: int = 0, confiden
     if selector in ("ucb", "thompson", "round_robin"):
         if not drafter_names:
             return NoSpeculation()
-        return BanditPolicy(drafter_names, max_gamma, mode=selector, seed=seed, gated=gated)
+        return BanditPolicy(drafter_names, max_gamma, mode=selector, seed=seed, gated=gated, backoff=backoff)
     if selector.startswith("fixed:"):
         name = selector.split(":", 1)[1]
         if name not in drafter_names:
