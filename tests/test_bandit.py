@@ -168,9 +168,9 @@ def test_step_gate_pairs_a_burst_with_the_steps_before_it():
     # warm-up (the first step has nothing before it, so is not scored), then a plain burst whose
     # first step pays the switch and is not scored either
     assert modes == [True] * (GATE_WARMUP + 1) + [False] * GATE_BURST
-    assert gate.warm[3] == GATE_WARMUP and gate.pairs[3] == 0
+    assert gate.warm[3] == GATE_WARMUP and 3 not in gate.log_ratio
     assert gate.speculate(4)  # the burst closes: one pair, speculation 2x ahead
-    assert gate.pairs[3] == 1 and gate.log_ratio[3] == pytest.approx(math.log(2.0))
+    assert gate.log_ratio[3].n == 1 and gate.log_ratio[3].mean == pytest.approx(math.log(2.0))
     assert gate.band(6) == gate.band(4) != gate.band(8)
 
 
@@ -189,6 +189,19 @@ def test_step_gate_follows_the_faster_mode_through_drift(spec_ahead):
     late = modes[200:]
     right = sum(m == (spec_ahead > 1) for m in late) / len(late)
     assert right > 0.8, right
+
+
+def test_decayed_mean_and_its_error():
+    from spin_batch.engine.bandit import DecayedMean
+
+    m = DecayedMean(0.8)
+    m.add(1.0)
+    assert m.mean == 1.0 and m.stderr == math.inf
+    for _ in range(50):
+        m.add(1.0)
+    assert m.mean == pytest.approx(1.0) and m.stderr == pytest.approx(0.0, abs=1e-6)
+    m.add(-1.0)  # the newest sample weighs most
+    assert m.mean < 0.7 and m.stderr > 0.1
 
 
 def test_backoff_is_for_the_bandits_only():

@@ -53,8 +53,8 @@ GATE_WARMUP = 8  # scored speculating steps a batch size runs before plain decod
 GATE_REFRESH = 16  # the mode behind runs a burst once in this many steps (or up to 4x as many), so it can win back
 GATE_BURST = 3  # steps in that burst: the first one pays the switch and is not scored
 GATE_WINDOW = 8  # the other mode's last scored steps a burst is paired with
-GATE_DECAY = 0.7  # per paired sample, of the band's mean log ratio: ~3 samples of memory
-GATE_MARGIN = 1.05  # plain decoding must measure this much more goodput to turn speculation off
+GATE_DECAY = 0.8  # per paired sample, of the band's mean log ratio: ~5 samples of memory
+GATE_MARGIN = 1.02  # plain decoding must measure this much more goodput (and a standard error) to turn speculation off
 
 
 def expected_gain(gamma: int, a: float) -> float:
@@ -229,6 +229,33 @@ class CostModel:
         return drafter in self.drafts
 
 
+class DecayedMean:
+    """Exponentially weighted mean of samples, with its standard error."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.n = 0
+        self._w = self._w2 = self._s1 = self._s2 = 0.0
+
+    def add(self, x: float) -> None:
+        d = self.decay
+        self._w, self._w2 = d * self._w + 1.0, d * d * self._w2 + 1.0
+        self._s1, self._s2 = d * self._s1 + x, d * self._s2 + x * x
+        self.n += 1
+
+    @property
+    def mean(self) -> float:
+        return self._s1 / self._w if self._w else 0.0
+
+    @property
+    def stderr(self) -> float:
+        """sqrt(variance / effective sample count); infinite with fewer than two samples."""
+        if self.n < 2:
+            return math.inf
+        var = max(self._s2 / self._w - self.mean ** 2, 0.0)
+        return math.sqrt(var * self._w2 / (self._w * self._w))
+
+
 class StepGate:
     """Batch-level back-off: whether a step runs the bandit's choices or drafts nothing at all.
 
@@ -241,8 +268,8 @@ class StepGate:
     every GATE_REFRESH steps after (plain decoding up to 4 times as seldom while speculation is
     far ahead), the mode that is behind runs a burst of GATE_BURST steps. The burst's goodput over
     the other mode's last GATE_WINDOW scored steps is one paired sample of the ratio, and the band
-    keeps a decayed mean of its log. A step speculates unless plain decoding leads by GATE_MARGIN:
-    at a small batch, where speculation pays most, a step's gain is noisiest.
+    keeps a decayed mean of its log. A step speculates unless plain decoding leads by GATE_MARGIN
+    plus a standard error (see speculates).
 
     Only steps that continue a run of their mode are scored. The first speculating step after
     plain ones pays for the drafters catching up on every token they skipped (at 4 slots, 64
@@ -251,8 +278,7 @@ class StepGate:
 
     def __init__(self) -> None:
         self.recent: dict[tuple[int, bool], deque[tuple[float, float]]] = {}  # (band, mode): (tokens, seconds)
-        self.log_ratio: dict[int, float] = {}  # per band: decayed mean of log(speculating / plain goodput)
-        self.pairs: Counter = Counter()  # per band: paired samples taken
+        self.log_ratio: dict[int, DecayedMean] = {}  # per band: of log(speculating / plain goodput), paired
         self.warm: Counter = Counter()  # per band: scored speculating steps
         self._since: Counter = Counter()  # per band: steps since the last burst
         self._burst: dict[int, list] = {}  # per band: [mode, steps still to run, tokens, seconds] of a burst
@@ -264,8 +290,11 @@ class StepGate:
         return max(slots, 1).bit_length()  # 1 | 2-3 | 4-7 | 8-15 | 16-31 | ...
 
     def speculates(self, band: int) -> bool:
-        """The band's verdict so far: speculate unless plain decoding measured GATE_MARGIN ahead."""
-        return self.log_ratio.get(band, 0.0) >= -math.log(GATE_MARGIN)
+        """The band's verdict so far: speculate unless plain decoding measured ahead by GATE_MARGIN
+        with a standard error to spare (two pairs at least): the gate overrides the cost model on
+        evidence only, where one noisy pair at a small batch would otherwise stop speculation that pays."""
+        r = self.log_ratio.get(band)
+        return r is None or r.n < 2 or r.mean + r.stderr >= -math.log(GATE_MARGIN)
 
     def speculate(self, slots: int) -> bool:
         """Whether a step over this many decoding slots should run the bandit's choices."""
@@ -283,9 +312,9 @@ class StepGate:
         burst = self._burst.get(band)
         if burst is None:
             winner = self.speculates(band)
-            ahead = self.log_ratio.get(band, 0.0) if winner else 0.0
+            ahead = self.log_ratio[band].mean if winner and band in self.log_ratio else 0.0
             self._since[band] += 1
-            if self.pairs[band] and self._since[band] < GATE_REFRESH * min(max(ahead / 0.05, 1.0), 4.0):
+            if band in self.log_ratio and self._since[band] < GATE_REFRESH * min(max(ahead / 0.05, 1.0), 4.0):
                 return winner
             self._since[band] = 0
             burst = self._burst[band] = [not winner, GATE_BURST, 0.0, 0.0]
@@ -309,10 +338,8 @@ class StepGate:
         if not before or tokens <= 0 or seconds <= 0:
             return
         other = sum(t for t, _ in before) / sum(s for _, s in before)
-        sample = math.log((tokens / seconds) / other) * (1 if mode else -1)
-        old = self.log_ratio.get(band)
-        self.log_ratio[band] = sample if old is None else GATE_DECAY * old + (1 - GATE_DECAY) * sample
-        self.pairs[band] += 1
+        self.log_ratio.setdefault(band, DecayedMean(GATE_DECAY)).add(
+            math.log((tokens / seconds) / other) * (1 if mode else -1))
 
 
 class JointChoice:
