@@ -53,6 +53,7 @@ GATE_WARMUP = 8  # scored speculating steps a batch size runs before plain decod
 GATE_REFRESH = 16  # the mode behind runs a burst once in this many steps (or up to 4x as many), so it can win back
 GATE_BURST = 3  # steps in that burst: the first one pays the switch and is not scored
 GATE_WINDOW = 8  # the other mode's last scored steps a burst is paired with
+GATE_STRETCH = 0.05  # the refresh waits one GATE_REFRESH more per this lead of speculation (log ratio)
 GATE_DECAY = 0.8  # per paired sample, of the band's mean log ratio: ~5 samples of memory
 GATE_MARGIN = 1.02  # plain decoding must measure this much more goodput (and a standard error) to turn speculation off
 
@@ -256,6 +257,16 @@ class DecayedMean:
         return math.sqrt(var * self._w2 / (self._w * self._w))
 
 
+@dataclass
+class Burst:
+    """The mode that is behind, run for a few steps to be measured against the other one."""
+
+    speculate: bool
+    left: int  # steps still to run
+    tokens: float = 0.0  # gained over its scored steps
+    seconds: float = 0.0
+
+
 class StepGate:
     """Batch-level back-off: whether a step runs the bandit's choices or drafts nothing at all.
 
@@ -281,7 +292,7 @@ class StepGate:
         self.log_ratio: dict[int, DecayedMean] = {}  # per band: of log(speculating / plain goodput), paired
         self.warm: Counter = Counter()  # per band: scored speculating steps
         self._since: Counter = Counter()  # per band: steps since the last burst
-        self._burst: dict[int, list] = {}  # per band: [mode, steps still to run, tokens, seconds] of a burst
+        self._burst: dict[int, Burst] = {}  # per band: the burst under way
         self._last: bool | None = None  # the mode of the previous step (the drafters' state is global)
         self.steady = False  # whether the current step continues a run of its mode (then it is scored)
 
@@ -300,8 +311,8 @@ class StepGate:
         """Whether a step over this many decoding slots should run the bandit's choices."""
         band = self.band(slots)
         burst = self._burst.get(band)
-        if burst is not None and burst[1] == 0:
-            self._pair(band, *self._burst.pop(band))
+        if burst is not None and burst.left == 0:
+            self._pair(band, self._burst.pop(band))
         mode = self._mode(band)
         self.steady, self._last = self._last == mode, mode
         return mode
@@ -314,12 +325,12 @@ class StepGate:
             winner = self.speculates(band)
             ahead = self.log_ratio[band].mean if winner and band in self.log_ratio else 0.0
             self._since[band] += 1
-            if band in self.log_ratio and self._since[band] < GATE_REFRESH * min(max(ahead / 0.05, 1.0), 4.0):
+            if band in self.log_ratio and self._since[band] < GATE_REFRESH * min(max(ahead / GATE_STRETCH, 1.0), 4.0):
                 return winner
             self._since[band] = 0
-            burst = self._burst[band] = [not winner, GATE_BURST, 0.0, 0.0]
-        burst[1] -= 1
-        return burst[0]
+            burst = self._burst[band] = Burst(not winner, GATE_BURST)
+        burst.left -= 1
+        return burst.speculate
 
     def observe(self, slots: int, speculate: bool, tokens: int, seconds: float) -> None:
         band = self.band(slots)
@@ -328,18 +339,18 @@ class StepGate:
         self.recent.setdefault((band, speculate), deque(maxlen=GATE_WINDOW)).append((tokens, seconds))
         self.warm[band] += speculate
         burst = self._burst.get(band)
-        if burst is not None and burst[0] == speculate:
-            burst[2] += tokens
-            burst[3] += seconds
+        if burst is not None and burst.speculate == speculate:
+            burst.tokens += tokens
+            burst.seconds += seconds
 
-    def _pair(self, band: int, mode: bool, _left: int, tokens: float, seconds: float) -> None:
+    def _pair(self, band: int, burst: Burst) -> None:
         """One paired sample: the burst just run against the other mode's steps before it."""
-        before = self.recent.get((band, not mode))
-        if not before or tokens <= 0 or seconds <= 0:
+        before = self.recent.get((band, not burst.speculate))
+        if not before or burst.tokens <= 0 or burst.seconds <= 0:
             return
         other = sum(t for t, _ in before) / sum(s for _, s in before)
-        self.log_ratio.setdefault(band, DecayedMean(GATE_DECAY)).add(
-            math.log((tokens / seconds) / other) * (1 if mode else -1))
+        ratio = math.log(burst.tokens / burst.seconds / other)
+        self.log_ratio.setdefault(band, DecayedMean(GATE_DECAY)).add(ratio if burst.speculate else -ratio)
 
 
 class JointChoice:
