@@ -44,6 +44,7 @@ class TrainSettings:
 
 PRECISIONS = ("auto", "bfloat16", "float32")
 
+
 def choose_vocab(data: TeacherData, size: int, vocab_size: int, always: list[int],
                  prompt_weight: float = 0.1) -> torch.Tensor:
     """The `size` target ids with the most teacher probability mass, most first (completion positions

@@ -322,11 +322,12 @@ class StepGate:
             return True
         burst = self._burst.get(band)
         if burst is None:
-            winner = self.speculates(band)
-            ahead = self.log_ratio[band].mean if winner and band in self.log_ratio else 0.0
+            winner, ratio = self.speculates(band), self.log_ratio.get(band)
             self._since[band] += 1
-            if band in self.log_ratio and self._since[band] < GATE_REFRESH * min(max(ahead / GATE_STRETCH, 1.0), 4.0):
-                return winner
+            if ratio is not None:  # else no pair yet: a burst of plain decoding right after the warm-up
+                ahead = ratio.mean if winner else 0.0
+                if self._since[band] < GATE_REFRESH * min(max(ahead / GATE_STRETCH, 1.0), 4.0):
+                    return winner
             self._since[band] = 0
             burst = self._burst[band] = Burst(not winner, GATE_BURST)
         burst.left -= 1
