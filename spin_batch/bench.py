@@ -15,6 +15,9 @@ Methods (extensible through METHODS):
 - oracle: a hindsight schedule, then run. From the runs above, each request is given the method
   (a fixed drafter, or no drafting) that cost it the least time, where a request's time is its
   share of each step; then the loop runs once more with every request on its given method.
+- llamacpp:f32 / llamacpp:f16 / llamacpp:source: llama.cpp on the target's GGUF (optional, needs
+  llama-cpp-python; see spin_batch/llamacpp.py), the same prompts, slots and greedy decoding. Its
+  outputs are not required to equal ours; the report says how many do.
 - oracle-bound: the same choices, timed by adding up those per-request shares instead. It is not a
   schedule: at a large batch a drafting request's extra verify tokens are paid by every request in
   the step, yet the shares charge it only its 1/slots, and the minimum over several noisy runs per
@@ -126,6 +129,39 @@ class HFGenerate:
         return MethodRun("hf_generate", slots, repeat, wall, tokens, peak_rss_mb=peak_rss_mb())
 
 
+class LlamaCppMethod:
+    """A llamacpp:<format> method: llama.cpp sized for this run's slots, on the target's GGUF in that format.
+
+    The GGUF is re-encoded (once, cached) and loaded on first use, outside the timed runs.
+    """
+
+    def __init__(self, job: JobConfig, engine: Engine, method: str):
+        self.job, self.method, self.model_dir = job, method, engine.model_dir
+        self.eos = set(engine.loop.cfg.eos_token_ids)
+        self.engine = None
+
+    def run(self, data: BenchInput, slots: int, repeat: int) -> MethodRun:
+        import torch
+
+        from . import llamacpp
+
+        job = self.job
+        if self.engine is None:
+            path = llamacpp.reencoded(llamacpp.source_gguf(job.target.model, self.model_dir), self.method.split(":")[1])
+            self.engine = llamacpp.LlamaCpp(path, slots, job.batch.max_model_len, job.batch.max_num_batched_tokens,
+                                            threads=torch.get_num_threads())
+        prompts = [data.encode(r) for r in data.requests]
+        t0 = time.perf_counter()
+        out = self.engine.generate(prompts, job.sampling.max_tokens, self.eos)
+        wall = time.perf_counter() - t0
+        return MethodRun(self.method, slots, repeat, wall, {r.id: o for r, o in zip(data.requests, out)},
+                         peak_rss_mb=peak_rss_mb())
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
 def _until_eos(row: list[int], eos: set[int]) -> list[int]:
     for i, t in enumerate(row):
         if t in eos:
@@ -167,14 +203,27 @@ def default_methods(job: JobConfig) -> list[str]:
     return ["hf_generate", "autoregressive"] + fixed + (["spin", "spin-nopipe", "oracle"] if fixed else [])
 
 
+def is_llamacpp(method: str) -> bool:
+    return method.startswith("llamacpp:")
+
+
 def check_methods(methods: list[str], job: JobConfig) -> None:
+    """Rejects unknown methods, and llamacpp ones when llama-cpp-python is missing, before any model loads."""
+    from . import llamacpp
+
     names = {d.name for d in job.drafters}
     for m in methods:
         if m in ("hf_generate", "oracle") or m in SELECTOR_METHODS:
             continue
         if m.startswith("fixed:") and m.split(":", 1)[1] in names:
             continue
-        valid = ["hf_generate", "oracle", *SELECTOR_METHODS, *(f"fixed:{n}" for n in sorted(names))]
+        if is_llamacpp(m) and m.split(":", 1)[1] in llamacpp.FORMATS:
+            if not llamacpp.available():
+                raise ValueError(f"bench method {m!r} needs llama.cpp: pip install llama-cpp-python "
+                                 "(it builds llama.cpp from source, several minutes)")
+            continue
+        valid = ["hf_generate", "oracle", *SELECTOR_METHODS, *(f"fixed:{n}" for n in sorted(names)),
+                 *(f"llamacpp:{f}" for f in llamacpp.FORMATS)]
         raise ValueError(f"unknown bench method {m!r}; valid: {', '.join(valid)}")
 
 
@@ -218,9 +267,10 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
     check_methods(methods, job)
     if not job.sampling.greedy:
         print("spin-batch bench: sampling is on; the equality check needs greedy (temperature 0)", file=sys.stderr)
-    loop_methods = [m for m in methods if m not in ("oracle", "hf_generate")]
+    loop_methods = [m for m in methods if m not in ("oracle", "hf_generate") and not is_llamacpp(m)]
     runs: list[MethodRun] = []
-    total = len(slots_list) * repeat * (len(loop_methods) + ("hf_generate" in methods) + ("oracle" in methods))
+    others = [m for m in methods if m not in loop_methods]
+    total = len(slots_list) * repeat * (len(loop_methods) + len(others))
     bar = tqdm(total=total, unit="run", desc="bench", disable=not progress)
     hf = None
     for slots in slots_list:
@@ -231,6 +281,7 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
         data = load_bench_input(sjob, engine, limit, prompts)
         if "hf_generate" in methods and hf is None:
             hf = HFGenerate(engine)
+        lcs = {m: LlamaCppMethod(sjob, engine, m) for m in methods if is_llamacpp(m)}
         for r in range(repeat):
             this_repeat = []
             # every other repeat runs the methods in reverse order, so that a drift in the machine's
@@ -241,6 +292,8 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
                 bar.set_postfix_str(f"slots={slots} repeat={r} {m}")
                 if m == "hf_generate":
                     this_repeat.append(hf.run(data, slots, job.sampling.max_tokens, r))
+                elif m in lcs:
+                    this_repeat.append(lcs[m].run(data, slots, r))
                 else:
                     selector = SELECTOR_METHODS.get(m, m)
                     pipeline = {"spin-nopipe": False, "spin-pipe": True}.get(m, job_pipeline)
@@ -259,6 +312,8 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
                     this_repeat += [bound, run]
                 bar.update(1)
             runs.extend(this_repeat)
+        for lc in lcs.values():
+            lc.close()
     bar.close()
     return runs
 
@@ -269,7 +324,7 @@ def mismatches(runs: list[MethodRun]) -> list[str]:
     ref = {(r.slots, r.repeat): r for r in runs if r.method == "autoregressive"}
     for r in runs:
         base = ref.get((r.slots, r.repeat))
-        if base is None or r is base:
+        if base is None or r is base or is_llamacpp(r.method):  # another engine's rounding: see agreement()
             continue
         for i, want in base.tokens.items():
             got = r.tokens.get(i)
@@ -277,6 +332,27 @@ def mismatches(runs: list[MethodRun]) -> list[str]:
                 at = next((k for k, (a, b) in enumerate(zip(got or [], want)) if a != b), min(len(got or []), len(want)))
                 out.append(f"{r.method} slots={r.slots} repeat={r.repeat} id={i}: differs from autoregressive at "
                            f"token {at} ({len(got or [])} vs {len(want)} tokens)")
+    return out
+
+
+def agreement(runs: list[MethodRun]) -> list[str]:
+    """How far each llamacpp method's greedy outputs agree with autoregressive, per slots, over all repeats:
+    identical outputs, and the share of our tokens before its first difference."""
+    ref = {(r.slots, r.repeat): r for r in runs if r.method == "autoregressive"}
+    out = []
+    for method, slots in sorted({(r.method, r.slots) for r in runs if is_llamacpp(r.method)}):
+        same = total = prefix = tokens = 0
+        for r in runs:
+            base = ref.get((r.slots, r.repeat))
+            if r.method != method or r.slots != slots or base is None:
+                continue
+            for i, want in base.tokens.items():
+                got = r.tokens.get(i, [])
+                total, same, tokens = total + 1, same + (got == want), tokens + len(want)
+                prefix += next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        if total:
+            out.append(f"{method} slots={slots}: {same}/{total} outputs identical to autoregressive; "
+                       f"{prefix / max(tokens, 1):.1%} of tokens before the first difference")
     return out
 
 
@@ -317,7 +393,7 @@ def paired_ratio(group: list[MethodRun], base: list[MethodRun]) -> float | None:
 
 def _method_order(m: str) -> tuple:
     order = {"hf_generate": 0, "autoregressive": 1, "oracle": 9, "oracle-bound": 10}
-    return (order.get(m, 5), m)
+    return (0 if is_llamacpp(m) else order.get(m, 5), m)
 
 
 def _median_of(group: list[MethodRun], f) -> float | None:
@@ -386,6 +462,10 @@ def write_results(runs: list[MethodRun], out: Path) -> dict[str, Path]:
     reg = regret(runs)
     if reg:
         parts.append("Regret:\n" + "\n".join(f"- {x}" for x in reg))
+    agree = agreement(runs)
+    if agree:
+        parts.append("llama.cpp (other kernels, other rounding; not required to match):\n"
+                     + "\n".join(f"- {x}" for x in agree))
     parts.append(f"{len(bad)} greedy mismatches:\n" + "\n".join(f"- {b}" for b in bad) if bad
                  else "Greedy outputs identical to autoregressive for every method and id.")
     md = "\n\n".join(parts)

@@ -140,35 +140,42 @@ def _file_lock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def builtin_gguf(name: str) -> Path:
+    """The GGUF file that the package of builtin:<name> ships."""
+    package = BUILTINS[name][0]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"builtin:{name} needs the package {package!r}, which is not installed. Install it with:\n"
+            f"    {INSTALL_HINT[name]}"
+        )
+    pkg_dir = Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(pkg_dir.glob("*.gguf"))
+    if not ggufs:
+        raise ModelNotFoundError(f"no .gguf file inside {pkg_dir}")
+    return ggufs[0]
+
+
 def ensure_builtin(name: str) -> Path:
     """Convert the packaged GGUF to an fp32 safetensors directory once; return that directory.
 
     Safe against concurrent Slurm tasks: one converts under a file lock into a temp directory
     that is renamed into place; the others wait and reuse it.
     """
-    package, folder = BUILTINS[name]
+    folder = BUILTINS[name][1]
     target = cache_root() / folder
     if (target / "config.json").exists():
         return target
     with _file_lock(cache_root() / f".{folder}.lock"):
         if (target / "config.json").exists():
             return target
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelNotFoundError(
-                f"builtin:{name} needs the package {package!r}, which is not installed. Install it with:\n"
-                f"    {INSTALL_HINT[name]}"
-            )
-        pkg_dir = Path(list(spec.submodule_search_locations)[0])
-        ggufs = sorted(pkg_dir.glob("*.gguf"))
-        if not ggufs:
-            raise ModelNotFoundError(f"no .gguf file inside {pkg_dir}")
+        gguf = builtin_gguf(name)
         t0 = time.perf_counter()
-        print(f"spin-batch: converting {ggufs[0].name} to fp32 safetensors in {target} (once)", file=sys.stderr)
+        print(f"spin-batch: converting {gguf.name} to fp32 safetensors in {target} (once)", file=sys.stderr)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder}-", dir=cache_root()))
         os.chmod(tmp, 0o755)
         try:
-            _convert_gguf(pkg_dir, ggufs[0].name, tmp)
+            _convert_gguf(gguf.parent, gguf.name, tmp)
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
