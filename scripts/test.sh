@@ -3,4 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${SPIN_BATCH_VENV:-.venv}/bin/python" -m pytest -q "$@"
+# pytest's own script, not `python -m pytest`: -m puts the working directory on sys.path, and
+# there the top-level kernels/ (the source of spin_batch.kernels) would shadow the PyPI package
+# `kernels` that recent transformers imports. For the same reason tests/ is not a package.
+exec "${SPIN_BATCH_VENV:-.venv}/bin/pytest" -q "$@"

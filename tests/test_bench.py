@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from spin_batch import bench
 from spin_batch.cli import main
 from spin_batch.config import parse_job
-from tests.conftest import write_jsonl
+from conftest import write_jsonl
 
 PROMPTS = ["the quick brown fox", "red green blue red green", "def add(a, b):", "once upon a time", "12 12 12"]
 

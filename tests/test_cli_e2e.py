@@ -25,10 +25,7 @@ from click.testing import CliRunner
 
 from spin_batch.cli import main
 
-try:  # tests/ as a package (tests/__init__.py) or as a plain rootdir
-    from tests.conftest import CORPUS, build_tiny_model, write_jsonl
-except ImportError:
-    from conftest import CORPUS, build_tiny_model, write_jsonl
+from conftest import CORPUS, build_tiny_model, write_jsonl
 
 DESIGN_COLUMNS = [
     "id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "status", "error",

@@ -21,7 +21,7 @@ from spin_batch.models.loader import load_model, load_tokenizer
 from spin_batch.models.segments import Segments
 from spin_batch.runner import check_models, run_job
 
-from .conftest import TRAIN_PROMPTS, write_jsonl
+from conftest import TRAIN_PROMPTS, write_jsonl
 
 
 def test_distill_writes_loadable_drafts_and_a_report(tiny_distilled, tiny_dir):

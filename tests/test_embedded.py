@@ -27,7 +27,7 @@ PROMPTS = [
 
 
 def job(tmp_path, name: str, selector: str, slots: int):
-    from tests.conftest import write_jsonl
+    from conftest import write_jsonl
 
     shard = write_jsonl(tmp_path / "in.jsonl", PROMPTS)
     return parse_job({
@@ -95,7 +95,7 @@ def test_shipped_drafts_stay_lossless(tmp_path):
     """Greedy output with each shipped draft, and with the bandit over all of them, equals autoregressive."""
     from spin_batch.engine.policy import make_policy
     from spin_batch.io.writer import read_outputs
-    from tests.conftest import write_jsonl
+    from conftest import write_jsonl
 
     drafts = shipped_drafts()
     assert len(drafts) >= 3
