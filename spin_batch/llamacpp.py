@@ -162,7 +162,9 @@ class LlamaCpp:
                 if seq in active or not queue:
                     continue
                 p = queue.pop()
-                ids = prompts[p][: self.max_len - max_tokens - 1]
+                ids = prompts[p]
+                if not ids or len(ids) + 1 > self.max_len:
+                    raise ValueError(f"prompt {p} has {len(ids)} tokens; max_model_len {self.max_len} leaves no room")
                 self.lc.llama_memory_seq_rm(mem, seq, -1, -1)
                 for a in range(0, len(ids), self.n_batch):
                     chunk = ids[a : a + self.n_batch]
@@ -170,7 +172,7 @@ class LlamaCpp:
                 tok = self._argmax(len(chunk) - 1)
                 out[p].append(tok)
                 active[seq], last[seq] = (p, len(ids)), tok
-                if tok in eos or max_tokens <= 1:
+                if tok in eos or max_tokens <= 1 or len(ids) + 1 >= self.max_len:
                     del active[seq]
             seqs = sorted(active)
             if not seqs:
@@ -181,6 +183,6 @@ class LlamaCpp:
                 tok = self._argmax(i)
                 out[p].append(tok)
                 active[s], last[s] = (p, pos + 1), tok
-                if tok in eos or len(out[p]) >= max_tokens:
+                if tok in eos or len(out[p]) >= max_tokens or pos + 2 >= self.max_len:  # prompt + generated, as our loop
                     del active[s]
         return out

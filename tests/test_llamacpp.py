@@ -111,3 +111,17 @@ def test_llamacpp_generates_greedy_text_close_to_ours(tmp_path):
     assert set(lc.tokens) == set(ar.tokens) and lc.tok_s > 0
     for rid, want in ar.tokens.items():
         assert lc.tokens[rid][:4] == want[:4], rid  # same weights in f32: the first tokens agree
+
+
+@needs_embedded
+@pytest.mark.skipif(not llamacpp.available(), reason="optional llama-cpp-python not installed")
+def test_llamacpp_stops_at_max_model_len_like_our_loop():
+    src = llamacpp.source_gguf("builtin:smollm2-135m", loader.ensure_builtin("smollm2-135m"))
+    lc = llamacpp.LlamaCpp(llamacpp.reencoded(src, "source"), slots=2, max_len=12, n_batch=8)
+    try:
+        out = lc.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3]], max_tokens=50, eos=set())
+        assert [len(o) for o in out] == [2, 9]  # prompt + generated reaches max_len 12
+        with pytest.raises(ValueError, match="leaves no room"):
+            lc.generate([list(range(1, 13))], max_tokens=5, eos=set())
+    finally:
+        lc.close()
