@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu_gemm
 from .cache import KVCache
 from .segments import Segments
 
@@ -128,18 +129,31 @@ def _onednn_linear_available() -> bool:
 class Linear:
     """x [N, in] -> x @ weight[out, in]^T (+ bias) -> [N, out].
 
-    On CPU the weight is prepacked once into oneDNN's blocked layout: oneDNN's GEMM streams the
-    weights about 2x faster than the MKL sgemm behind F.linear at N = 1 and 2.5-3x faster at
-    N = 5..80 (same fp32 math, results within a few ulp). Other devices use F.linear.
+    On CPU, float32 weights go to our panel GEMM (cpu_gemm.py): it streams them near memory speed
+    at the loop's batch sizes and keeps each row's result independent of the batch. Where that
+    kernel is off or cannot be built, and for bfloat16, the weight is prepacked once into
+    oneDNN's blocked layout: oneDNN streams the weights about 2x faster than the MKL sgemm behind
+    F.linear at N = 1 and 2.5-3x faster at N = 5..80 (same fp32 math, results within a few ulp).
+    Other devices use F.linear.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.packed = weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and _onednn_linear_available()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
+        self.panel = cpu_gemm.panel_weight(weight)
+        self.packed = (self.panel is None and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
+                       and _onednn_linear_available())
+        if self.panel is not None:
+            self.weight = None
+        elif self.packed:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        else:
+            self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panel is not None:
+            y = self.panel(x)
+            return y if self.bias is None else y.add_(self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
         return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,73 @@
+/* Float32 y = x @ w^T on CPU for the decode loop's batch sizes, built once per machine by cpu_gemm.py.
+ *
+ * w is stored in panels of 16 output rows, k-major inside a panel: wp[o / 16][k][o % 16]. One call
+ * streams every panel once. A micro-kernel takes two panels (32 outputs) and up to MR rows of x,
+ * broadcasts x[m, k] and adds it times the panels' k-th vectors into 2 x MR vector accumulators, so
+ * a weight is read from memory once per call for any M <= MR and once from cache per further MR rows.
+ *
+ * Each output y[m, o] is the sum over k, in order, of x[m, k] * w[o, k] in a single vector lane: no
+ * blocking over k and no horizontal sum. So a row's result does not depend on M or on which other
+ * rows share the call: a decode step (M = 1) and a verify run (M = 1 + gamma) give bitwise the same
+ * logits for the same row. Output panels are split across OpenMP threads (the runtime torch loaded).
+ */
+#include <stdint.h>
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+#ifdef __AVX512F__
+#define MR 12 /* 24 accumulators + 2 panel vectors of the 32 zmm registers */
+#else
+#define MR 3 /* narrower vectors: a v16 is 2 (AVX2) or 4 (NEON) registers */
+#endif
+
+#define MICRO(R)                                                                                         \
+    static void micro_##R(const float *x, const float *wp, float *y, int64_t K, int64_t O, int64_t pair) { \
+        const float *w0 = wp + 2 * pair * K * 16, *w1 = w0 + K * 16;                                      \
+        v16 a0[R], a1[R];                                                                                \
+        for (int m = 0; m < R; m++) {                                                                    \
+            a0[m] = (v16){0};                                                                            \
+            a1[m] = (v16){0};                                                                            \
+        }                                                                                                \
+        for (int64_t k = 0; k < K; k++) {                                                                \
+            v16 u = *(const v16 *)(w0 + k * 16), v = *(const v16 *)(w1 + k * 16);                        \
+            for (int m = 0; m < R; m++) {                                                                \
+                float s = x[m * K + k];                                                                  \
+                a0[m] += s * u;                                                                          \
+                a1[m] += s * v;                                                                          \
+            }                                                                                            \
+        }                                                                                                \
+        for (int m = 0; m < R; m++) {                                                                    \
+            *(v16 *)(y + m * O + 32 * pair) = a0[m];                                                     \
+            *(v16 *)(y + m * O + 32 * pair + 16) = a1[m];                                                \
+        }                                                                                                \
+    }
+
+MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8) MICRO(9) MICRO(10) MICRO(11) MICRO(12)
+
+typedef void (*micro_t)(const float *, const float *, float *, int64_t, int64_t, int64_t);
+static const micro_t MICROS[13] = {0,       micro_1, micro_2, micro_3, micro_4,  micro_5, micro_6,
+                                   micro_7, micro_8, micro_9, micro_10, micro_11, micro_12};
+
+int spin_gemm_version(void) { return 1; }
+
+/* w [O, K] row-major -> wp [Op / 16][K][16], Op a multiple of 32 >= O; rows O..Op-1 are zero. */
+void spin_gemm_pack(const float *w, float *wp, int64_t O, int64_t K, int64_t Op) {
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < Op / 16; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < 16; j++) {
+                int64_t o = p * 16 + j;
+                wp[(p * K + k) * 16 + j] = o < O ? w[o * K + k] : 0.0f;
+            }
+}
+
+/* y [M, Op] = x [M, K] @ w^T, w packed by spin_gemm_pack. */
+void spin_gemm(const float *x, const float *wp, float *y, int64_t M, int64_t Op, int64_t K) {
+    int64_t pairs = Op / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < pairs; p++)
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            int64_t r = M - m0 < MR ? M - m0 : MR;
+            MICROS[r](x + m0 * K, wp, y + m0 * Op, K, Op, p);
+        }
+}

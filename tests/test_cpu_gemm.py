@@ -1,0 +1,89 @@
+"""The float32 CPU panel GEMM (spin_batch/models/cpu_gemm.c): values, batch independence, fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spin_batch.models import cpu_gemm
+from spin_batch.models.llama import Linear
+
+
+@pytest.fixture
+def lib():
+    lib = cpu_gemm.library()
+    if lib is None:
+        pytest.fail("the CPU GEMM kernel did not build here; the set-up needs a C compiler (cc)")
+    return lib
+
+
+@pytest.mark.parametrize("M,O,K", [(1, 64, 64), (5, 960, 576), (13, 100, 70), (30, 33, 1), (80, 320, 136),
+                                   (0, 64, 8)])
+def test_matches_float64_reference(lib, M, O, K):
+    g = torch.Generator().manual_seed(M * 1000 + O + K)
+    w, x = torch.randn(O, K, generator=g), torch.randn(M, K, generator=g)
+    y = cpu_gemm.PanelWeight(lib, w)(x)
+    assert y.shape == (M, O) and y.dtype == torch.float32
+    ref = x.double() @ w.double().T
+    # one lane sums K products in order: error bound ~ K * eps * sum |x||w|
+    bound = K * 1.2e-7 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(lib):
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(3072, 576, generator=g), torch.randn(29, 576, generator=g)
+    pw = cpu_gemm.PanelWeight(lib, w)
+    full = pw(x)
+    for lo, hi in [(0, 1), (3, 4), (5, 10), (12, 25), (28, 29), (0, 29)]:
+        assert torch.equal(pw(x[lo:hi]), full[lo:hi]), (lo, hi)
+
+
+def test_linear_uses_it_for_float32_and_adds_the_bias(lib):
+    w, b, x = torch.randn(50, 40), torch.randn(50), torch.randn(3, 40)
+    lin = Linear(w, b)
+    assert lin.panel is not None and lin.weight is None
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert Linear(w.bfloat16()).panel is None  # bfloat16 stays on oneDNN
+
+
+def test_off_and_unbuildable_fall_back_to_onednn(monkeypatch, tmp_path):
+    w = torch.randn(64, 32)
+    try:
+        monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "off")
+        cpu_gemm.reset()
+        assert Linear(w).panel is None
+        monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "auto")
+        monkeypatch.setenv("SPIN_BATCH_CACHE", str(tmp_path))  # nothing built there yet
+        monkeypatch.setenv("CC", "no-such-compiler")
+        cpu_gemm.reset()
+        with pytest.warns(UserWarning, match="using oneDNN instead"):
+            lin = Linear(w)
+        assert lin.panel is None
+        torch.testing.assert_close(lin(torch.ones(2, 32)), torch.ones(2, 32) @ w.T)
+        monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "on")
+        cpu_gemm.reset()
+        with pytest.raises(cpu_gemm.CpuGemmUnavailable, match="no-such-compiler"):
+            Linear(w)
+        monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "sometimes")
+        with pytest.raises(ValueError, match="auto, on or off"):
+            cpu_gemm.mode()
+    finally:
+        monkeypatch.undo()
+        cpu_gemm.reset()
+
+
+def test_a_failed_compile_says_why(monkeypatch, tmp_path):
+    bad = tmp_path / "cc"
+    bad.write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
+    bad.chmod(0o755)
+    try:
+        monkeypatch.setenv("SPIN_BATCH_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setenv("CC", str(bad))
+        monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "on")
+        cpu_gemm.reset()
+        with pytest.raises(cpu_gemm.CpuGemmUnavailable, match="internal error"):
+            cpu_gemm.library()
+    finally:
+        monkeypatch.undo()
+        cpu_gemm.reset()
