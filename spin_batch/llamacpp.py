@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -60,20 +59,8 @@ def reencoded(src: Path, fmt: str) -> Path:
         return src
     if fmt not in FORMATS:
         raise ValueError(f"unknown llama.cpp format {fmt!r}; choose from {', '.join(FORMATS)}")
-    out = loader.cache_root() / "gguf" / f"{src.stem}.{fmt}.gguf"
-    if out.exists():
-        return out
-    with loader._file_lock(out.parent / f".{out.name}.lock"):
-        if not out.exists():
-            fd, tmp = tempfile.mkstemp(prefix=f".{out.name}-", dir=out.parent)
-            os.close(fd)
-            try:
-                _reencode(src, Path(tmp), fmt)
-                os.replace(tmp, out)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-    return out
+    return loader.cached_file(loader.cache_root() / "gguf" / f"{src.stem}.{fmt}.gguf",
+                              lambda tmp: _reencode(src, tmp, fmt))
 
 
 def _reencode(src: Path, dst: Path, fmt: str) -> None:

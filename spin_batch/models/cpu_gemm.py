@@ -23,7 +23,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -58,29 +57,18 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
-    from .loader import _file_lock, cache_root
+    from .loader import cache_root, cached_file
 
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), platform.machine().encode(),
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode(),
                                      _cpu_flags().encode(), compiler.encode()])).hexdigest()[:16]
-    out = cache_root() / "cpu_gemm" / f"cpu_gemm-{key}.so"
-    if out.exists():
-        return out
-    with _file_lock(out.parent / f".{out.name}.lock"):
-        if out.exists():
-            return out
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}-", dir=out.parent)
-        os.close(fd)
-        try:
-            res = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                                 timeout=300)
-            if res.returncode != 0:
-                raise CpuGemmUnavailable(f"{compiler} failed: {res.stderr.strip()[-2000:]}")
-            os.replace(tmp, out)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return out
+
+    def compile_to(tmp: Path) -> None:
+        res = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                             timeout=300)
+        if res.returncode != 0:
+            raise CpuGemmUnavailable(f"{compiler} failed: {res.stderr.strip()[-2000:]}")
+
+    return cached_file(cache_root() / "cpu_gemm" / f"cpu_gemm-{key}.so", compile_to)
 
 
 def library() -> ctypes.CDLL | None:

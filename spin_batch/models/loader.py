@@ -130,7 +130,7 @@ def load_tokenizer(model_dir: Path):
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path):
+def file_lock(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -138,6 +138,25 @@ def _file_lock(path: Path):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def cached_file(out: Path, make) -> Path:
+    """out, made once by make(tmp_path) if it does not exist: under a file lock, into a temporary file in
+    the same directory that is renamed into place, so concurrent jobs (a Slurm array) never see half of it."""
+    if out.exists():
+        return out
+    with file_lock(out.parent / f".{out.name}.lock"):
+        if not out.exists():
+            fd, tmp = tempfile.mkstemp(prefix=f".{out.name}-", dir=out.parent)
+            os.close(fd)
+            try:
+                make(Path(tmp))
+                os.chmod(tmp, 0o644 | (os.stat(tmp).st_mode & 0o111))  # mkstemp's 0600 would hide it from others
+                os.replace(tmp, out)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+    return out
 
 
 def builtin_gguf(name: str) -> Path:
@@ -166,7 +185,7 @@ def ensure_builtin(name: str) -> Path:
     target = cache_root() / folder
     if (target / "config.json").exists():
         return target
-    with _file_lock(cache_root() / f".{folder}.lock"):
+    with file_lock(cache_root() / f".{folder}.lock"):
         if (target / "config.json").exists():
             return target
         gguf = builtin_gguf(name)
