@@ -45,6 +45,7 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress):
     A rerun of the same job resumes: rows already written are skipped.
     """
     from .io.reader import InputError
+    from .models.cpu_gemm import CpuGemmUnavailable
     from .models.loader import ModelNotFoundError
     from .models.llama import UnsupportedModelError
     from .runner import StopFlag, check_models, run_job
@@ -58,7 +59,7 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress):
             raise click.ClickException("invalid job:\n" + "\n".join(f"  {p}" for p in problems))
         result = run_job(job, shard_index=shard_index, num_shards=num_shards, limit=limit,
                          progress=not no_progress, stop=stop)
-    except (InputError, ModelNotFoundError, UnsupportedModelError, ValueError) as e:
+    except (InputError, ModelNotFoundError, UnsupportedModelError, CpuGemmUnavailable, ValueError) as e:
         raise click.ClickException(str(e)) from None
     s = result.summary
     click.echo(

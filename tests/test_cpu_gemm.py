@@ -87,3 +87,27 @@ def test_a_failed_compile_says_why(monkeypatch, tmp_path):
     finally:
         monkeypatch.undo()
         cpu_gemm.reset()
+
+
+def test_run_says_so_when_the_kernel_is_required_but_cannot_build(monkeypatch, tmp_path, tiny_dir):
+    import yaml
+    from click.testing import CliRunner
+    from conftest import write_jsonl
+
+    from spin_batch.cli import main
+
+    shard = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "red green"}])
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"input": {"paths": [str(shard)]}, "output": {"dir": str(tmp_path / "out")},
+                                   "target": {"model": str(tiny_dir)}, "sampling": {"max_tokens": 2}}))
+    try:
+        monkeypatch.setenv("SPIN_BATCH_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setenv("CC", "no-such-compiler")
+        monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "on")
+        cpu_gemm.reset()
+        res = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
+        assert res.exit_code == 1 and "SPIN_BATCH_CPU_GEMM=on but the kernel cannot be built" in res.output
+        assert "Traceback" not in res.output
+    finally:
+        monkeypatch.undo()
+        cpu_gemm.reset()
