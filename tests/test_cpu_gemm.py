@@ -111,3 +111,21 @@ def test_run_says_so_when_the_kernel_is_required_but_cannot_build(monkeypatch, t
     finally:
         monkeypatch.undo()
         cpu_gemm.reset()
+
+
+@pytest.mark.parametrize("M,C", [(1, 576), (16, 64), (3, 70), (0, 32)])
+def test_rms_norm_matches_torch(lib, M, C):
+    g = torch.Generator().manual_seed(M + C)
+    x, w = torch.randn(M, C, generator=g) * 3, torch.randn(C, generator=g)
+    got = cpu_gemm.rms_norm(lib, x, w, 1e-5)
+    torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (C,), w, 1e-5), rtol=2e-6, atol=2e-6)
+
+
+def test_the_model_norms_with_it_on_cpu(lib, tiny_dir):
+    from spin_batch.models.loader import load_model
+
+    model = load_model(tiny_dir, "float32", torch.device("cpu"))
+    assert model.cpu_lib is not None
+    h = torch.randn(5, model.spec.hidden_size)
+    w = model.layers[0].attn_norm
+    torch.testing.assert_close(model.normed(h, w), torch.nn.functional.rms_norm(h, w.shape, w, model.spec.rms_norm_eps))

@@ -380,6 +380,7 @@ class LlamaModel:
         self.dtype = embed.dtype
         self.device = embed.device
         self.kernels = kernels_module(self.device)  # Triton kernels, or None for the torch path
+        self.cpu_lib = cpu_gemm.library() if self.device.type == "cpu" else None  # the C norm, or None
         self._rope_len = 0
         self._ensure_rope(max_len or min(spec.max_position_embeddings, 4096))
 
@@ -504,7 +505,10 @@ class LlamaModel:
 
     def normed(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """rms_norm of the float32 residual h, in the weights' dtype (the input of a linear)."""
-        x = F.rms_norm(h, weight.shape, weight, self.spec.rms_norm_eps)
+        if self.cpu_lib is not None and h.dtype == torch.float32 and h.dim() == 2:
+            x = cpu_gemm.rms_norm(self.cpu_lib, h, weight, self.spec.rms_norm_eps)
+        else:
+            x = F.rms_norm(h, weight.shape, weight, self.spec.rms_norm_eps)
         return x if x.dtype == self.dtype else x.to(self.dtype)
 
     def _torch_attention(self, seg: Segments, cache: KVCache):
