@@ -116,7 +116,7 @@ class PanelWeight:
         lib.spin_gemm_pack(w.data_ptr(), self.packed.data_ptr(), self.out_features, self.in_features, self.padded)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
+        x = x.to(torch.float32).contiguous()  # the C code reads float32 rows; a no-op on the loop's inputs
         M = x.shape[0]
         y = torch.empty(M, self.padded, dtype=torch.float32)
         if M:
@@ -134,7 +134,7 @@ def panel_weight(weight: torch.Tensor) -> PanelWeight | None:
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [M, C] float32 normalised per row by its root mean square, times weight [C] float32."""
-    x = x.contiguous()
+    x, weight = x.to(torch.float32).contiguous(), weight.to(torch.float32).contiguous()
     y = torch.empty_like(x)
     lib.spin_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
     return y
