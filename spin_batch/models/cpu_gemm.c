@@ -8,7 +8,7 @@
  * Each output y[m, o] is the sum over k, in order, of x[m, k] * w[o, k] in a single vector lane: no
  * blocking over k and no horizontal sum. So a row's result does not depend on M or on which other
  * rows share the call: a decode step (M = 1) and a verify run (M = 1 + gamma) give bitwise the same
- * logits for the same row. Output panels are split across OpenMP threads (the runtime torch loaded).
+ * outputs for the same input row. Output panels are split across OpenMP threads (the runtime torch loaded).
  */
 #include <stdint.h>
 
