@@ -269,8 +269,7 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
         print("spin-batch bench: sampling is on; the equality check needs greedy (temperature 0)", file=sys.stderr)
     loop_methods = [m for m in methods if m not in ("oracle", "hf_generate") and not is_llamacpp(m)]
     runs: list[MethodRun] = []
-    others = [m for m in methods if m not in loop_methods]
-    total = len(slots_list) * repeat * (len(loop_methods) + len(others))
+    total = len(slots_list) * repeat * len(methods)
     bar = tqdm(total=total, unit="run", desc="bench", disable=not progress)
     hf = None
     for slots in slots_list:
@@ -318,10 +317,19 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
     return runs
 
 
+def _autoregressive_by_run(runs: list[MethodRun]) -> dict[tuple[int, int], MethodRun]:
+    return {(r.slots, r.repeat): r for r in runs if r.method == "autoregressive"}
+
+
+def _first_difference(got: list[int], want: list[int]) -> int:
+    """Index of the first token where got and want differ (the shorter length if one is a prefix)."""
+    return next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
 def mismatches(runs: list[MethodRun]) -> list[str]:
     """Every id whose tokens differ from the autoregressive run of the same slots and repeat."""
     out = []
-    ref = {(r.slots, r.repeat): r for r in runs if r.method == "autoregressive"}
+    ref = _autoregressive_by_run(runs)
     for r in runs:
         base = ref.get((r.slots, r.repeat))
         if base is None or r is base or is_llamacpp(r.method):  # another engine's rounding: see agreement()
@@ -329,7 +337,7 @@ def mismatches(runs: list[MethodRun]) -> list[str]:
         for i, want in base.tokens.items():
             got = r.tokens.get(i)
             if got != want:
-                at = next((k for k, (a, b) in enumerate(zip(got or [], want)) if a != b), min(len(got or []), len(want)))
+                at = _first_difference(got or [], want)
                 out.append(f"{r.method} slots={r.slots} repeat={r.repeat} id={i}: differs from autoregressive at "
                            f"token {at} ({len(got or [])} vs {len(want)} tokens)")
     return out
@@ -338,7 +346,7 @@ def mismatches(runs: list[MethodRun]) -> list[str]:
 def agreement(runs: list[MethodRun]) -> list[str]:
     """How far each llamacpp method's greedy outputs agree with autoregressive, per slots, over all repeats:
     identical outputs, and the share of our tokens before its first difference."""
-    ref = {(r.slots, r.repeat): r for r in runs if r.method == "autoregressive"}
+    ref = _autoregressive_by_run(runs)
     out = []
     for method, slots in sorted({(r.method, r.slots) for r in runs if is_llamacpp(r.method)}):
         same = total = prefix = tokens = 0
@@ -349,7 +357,7 @@ def agreement(runs: list[MethodRun]) -> list[str]:
             for i, want in base.tokens.items():
                 got = r.tokens.get(i, [])
                 total, same, tokens = total + 1, same + (got == want), tokens + len(want)
-                prefix += next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                prefix += _first_difference(got, want)
         if total:
             out.append(f"{method} slots={slots}: {same}/{total} outputs identical to autoregressive; "
                        f"{prefix / max(tokens, 1):.1%} of tokens before the first difference")

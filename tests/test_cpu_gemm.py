@@ -57,7 +57,7 @@ def test_off_and_unbuildable_fall_back_to_onednn(monkeypatch, tmp_path):
         monkeypatch.setenv("SPIN_BATCH_CACHE", str(tmp_path))  # nothing built there yet
         monkeypatch.setenv("CC", "no-such-compiler")
         cpu_gemm.reset()
-        with pytest.warns(UserWarning, match="using oneDNN instead"):
+        with pytest.warns(UserWarning, match="using oneDNN and torch instead"):
             lin = Linear(w)
         assert lin.panel is None
         torch.testing.assert_close(lin(torch.ones(2, 32)), torch.ones(2, 32) @ w.T)

@@ -93,7 +93,8 @@ def library() -> ctypes.CDLL | None:
     except (CpuGemmUnavailable, OSError, subprocess.SubprocessError) as e:
         if m == "on":
             raise CpuGemmUnavailable(f"SPIN_BATCH_CPU_GEMM=on but the kernel cannot be built: {e}") from e
-        warnings.warn(f"spin-batch: float32 CPU GEMM kernel unavailable, using oneDNN instead ({e})", stacklevel=2)
+        warnings.warn(f"spin-batch: CPU GEMM and norm library unavailable, using oneDNN and torch instead ({e})",
+                      stacklevel=2)
         lib = None
     _state["lib"] = lib
     return lib
