@@ -1,4 +1,5 @@
-"""The float32 CPU panel GEMM (spin_batch/models/cpu_gemm.c): values, batch independence, fallbacks."""
+"""The CPU panel GEMMs (spin_batch/models/cpu_gemm.c), float32 and bfloat16: values, batch independence,
+fallbacks."""
 
 from __future__ import annotations
 
@@ -44,7 +45,52 @@ def test_linear_uses_it_for_float32_and_adds_the_bias(lib):
     lin = Linear(w, b)
     assert lin.panel is not None and lin.weight is None
     torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    assert Linear(w.bfloat16()).panel is None  # bfloat16 stays on oneDNN
+
+
+@pytest.fixture
+def bf16_lib(lib):
+    if not lib.spin_gemm_bf16_ok():
+        pytest.skip("this CPU has no AVX512-BF16: bfloat16 linears stay on oneDNN (tested below)")
+    return lib
+
+
+@pytest.mark.parametrize("M,O,K", [(1, 64, 64), (5, 960, 576), (13, 100, 70), (30, 33, 2), (80, 320, 136),
+                                   (0, 64, 8)])
+def test_bf16_matches_float64_reference(bf16_lib, M, O, K):
+    g = torch.Generator().manual_seed(M * 1000 + O + K)
+    w, x = torch.randn(O, K, generator=g).bfloat16(), torch.randn(M, K, generator=g).bfloat16()
+    y = cpu_gemm.PanelWeight(bf16_lib, w)(x)
+    assert y.shape == (M, O) and y.dtype == torch.bfloat16
+    ref = x.double() @ w.double().T
+    # float32 sums in order (~K * eps32), then one rounding to bfloat16 (half an ulp: at most 2^-8 relative)
+    bound = K * 1.2e-7 * (x.double().abs() @ w.double().abs().T) * 1.01 + 2.0 ** -8 * ref.abs() + 1e-30
+    assert ((y.double() - ref).abs() <= bound).all()
+    # and it is the nearest bfloat16 to the float32 sum almost everywhere
+    if M:
+        assert (y == (x.float() @ w.float().T).bfloat16()).float().mean() > 0.99
+
+
+def test_bf16_rows_result_does_not_depend_on_its_batch(bf16_lib):
+    g = torch.Generator().manual_seed(8)
+    w, x = torch.randn(3072, 576, generator=g).bfloat16(), torch.randn(29, 576, generator=g).bfloat16()
+    pw = cpu_gemm.PanelWeight(bf16_lib, w)
+    full = pw(x)
+    for lo, hi in [(0, 1), (3, 4), (5, 10), (12, 25), (28, 29), (0, 29)]:
+        assert torch.equal(pw(x[lo:hi]), full[lo:hi]), (lo, hi)
+
+
+def test_linear_uses_it_for_bfloat16_where_the_cpu_has_it(lib):
+    w, b, x = torch.randn(50, 40).bfloat16(), torch.randn(50).bfloat16(), torch.randn(3, 40).bfloat16()
+    lin = Linear(w, b)
+    if lib.spin_gemm_bf16_ok():
+        assert lin.panel is not None and lin.weight is None
+    else:
+        assert lin.panel is None and lin.packed
+    y = lin(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=2e-2, atol=2e-2)
+    odd = Linear(torch.randn(8, 7).bfloat16())  # the kernel reads inputs in pairs: odd widths stay on oneDNN
+    assert odd.panel is None and odd.packed
 
 
 def test_off_and_unbuildable_fall_back_to_onednn(monkeypatch, tmp_path):

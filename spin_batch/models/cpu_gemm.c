@@ -48,7 +48,7 @@ typedef void (*micro_t)(const float *, const float *, float *, int64_t, int64_t,
 static const micro_t MICROS[13] = {0,       micro_1, micro_2, micro_3, micro_4,  micro_5, micro_6,
                                    micro_7, micro_8, micro_9, micro_10, micro_11, micro_12};
 
-int spin_gemm_version(void) { return 1; }
+int spin_gemm_version(void) { return 2; }
 
 /* w [O, K] row-major -> wp [Op / 16][K][16], Op a multiple of 32 >= O; rows O..Op-1 are zero. */
 void spin_gemm_pack(const float *w, float *wp, int64_t O, int64_t K, int64_t Op) {
@@ -70,6 +70,81 @@ void spin_gemm(const float *x, const float *wp, float *y, int64_t M, int64_t Op,
             int64_t r = M - m0 < MR ? M - m0 : MR;
             MICROS[r](x + m0 * K, wp, y + m0 * Op, K, Op, p);
         }
+}
+
+/* Bfloat16 y = x @ w^T, float32 accumulation, where the CPU has AVX512-BF16 (vdpbf16ps); elsewhere
+ * spin_gemm_bf16_ok() returns 0 and the caller keeps oneDNN.
+ *
+ * w is stored in panels of 16 output rows by pairs of k: wp[o / 16][k / 2][o % 16][k % 2], so one
+ * 64-byte vector holds 16 outputs' weights for inputs k and k + 1. The micro-kernel broadcasts the pair
+ * (x[m, k], x[m, k + 1]) as one 32-bit lane and vdpbf16ps adds both products into each output's float32
+ * accumulator: 32 multiply-adds per instruction and no conversion of the weights, which stream at half
+ * the bytes of float32. As in the float32 kernel, a row's sum runs over k in order in one lane, so its
+ * result does not depend on M or on the other rows of the call. The float32 sums are rounded to
+ * bfloat16 once, to nearest even (as torch rounds). K must be even. */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <string.h>
+
+#define MICRO_BF16(R)                                                                                    \
+    static void microb_##R(const uint16_t *x, const uint16_t *wp, uint16_t *y, int64_t K, int64_t O,      \
+                           int64_t pair) {                                                               \
+        int64_t K2 = K / 2;                                                                              \
+        const uint16_t *w0 = wp + 2 * pair * K * 16, *w1 = w0 + K * 16;                                  \
+        __m512 a0[R], a1[R];                                                                             \
+        for (int m = 0; m < R; m++) a0[m] = a1[m] = _mm512_setzero_ps();                                 \
+        for (int64_t j = 0; j < K2; j++) {                                                               \
+            __m512bh u = (__m512bh)_mm512_loadu_si512(w0 + j * 32);                                      \
+            __m512bh v = (__m512bh)_mm512_loadu_si512(w1 + j * 32);                                      \
+            for (int m = 0; m < R; m++) {                                                                \
+                int32_t xy;                                                                              \
+                memcpy(&xy, x + m * K + 2 * j, 4);                                                       \
+                __m512bh s = (__m512bh)_mm512_set1_epi32(xy);                                            \
+                a0[m] = _mm512_dpbf16_ps(a0[m], u, s);                                                   \
+                a1[m] = _mm512_dpbf16_ps(a1[m], v, s);                                                   \
+            }                                                                                            \
+        }                                                                                                \
+        for (int m = 0; m < R; m++) {                                                                    \
+            _mm256_storeu_si256((__m256i *)(y + m * O + 32 * pair), (__m256i)_mm512_cvtneps_pbh(a0[m]));      \
+            _mm256_storeu_si256((__m256i *)(y + m * O + 32 * pair + 16), (__m256i)_mm512_cvtneps_pbh(a1[m])); \
+        }                                                                                                \
+    }
+
+MICRO_BF16(1) MICRO_BF16(2) MICRO_BF16(3) MICRO_BF16(4) MICRO_BF16(5) MICRO_BF16(6) MICRO_BF16(7)
+MICRO_BF16(8) MICRO_BF16(9) MICRO_BF16(10) MICRO_BF16(11) MICRO_BF16(12)
+
+typedef void (*microb_t)(const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t);
+static const microb_t MICROS_BF16[13] = {0,        microb_1, microb_2, microb_3,  microb_4,  microb_5, microb_6,
+                                         microb_7, microb_8, microb_9, microb_10, microb_11, microb_12};
+
+int spin_gemm_bf16_ok(void) { return 1; }
+
+/* y [M, Op] = x [M, K] @ w^T, all bfloat16 (as uint16), w packed by spin_gemm_pack_bf16. */
+void spin_gemm_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *y, int64_t M, int64_t Op, int64_t K) {
+    int64_t pairs = Op / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < pairs; p++)
+        for (int64_t m0 = 0; m0 < M; m0 += 12) {
+            int64_t r = M - m0 < 12 ? M - m0 : 12;
+            MICROS_BF16[r](x + m0 * K, wp, y + m0 * Op, K, Op, p);
+        }
+}
+#else
+int spin_gemm_bf16_ok(void) { return 0; }
+void spin_gemm_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *y, int64_t M, int64_t Op, int64_t K) {
+    (void)x, (void)wp, (void)y, (void)M, (void)Op, (void)K;
+}
+#endif
+
+/* w [O, K] bfloat16 row-major -> wp [Op / 16][K / 2][16][2], Op a multiple of 32 >= O, K even. */
+void spin_gemm_pack_bf16(const uint16_t *w, uint16_t *wp, int64_t O, int64_t K, int64_t Op) {
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < Op / 16; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < 16; j++) {
+                int64_t o = p * 16 + j;
+                wp[((p * (K / 2) + k / 2) * 16 + j) * 2 + k % 2] = o < O ? w[o * K + k] : 0;
+            }
 }
 
 /* y [M, C] = x * (1 / sqrt(mean(x^2) + eps)) * w per row, float32: one call instead of torch's

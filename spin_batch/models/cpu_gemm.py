@@ -89,7 +89,12 @@ def library() -> ctypes.CDLL | None:
         lib.spin_gemm_pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
         lib.spin_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         lib.spin_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-        lib.spin_gemm_pack.restype = lib.spin_gemm.restype = lib.spin_rms_norm.restype = None
+        lib.spin_gemm_pack_bf16.argtypes = lib.spin_gemm_pack.argtypes
+        lib.spin_gemm_bf16.argtypes = lib.spin_gemm.argtypes
+        lib.spin_gemm_bf16_ok.argtypes = []
+        lib.spin_gemm_bf16_ok.restype = ctypes.c_int
+        for fn in (lib.spin_gemm_pack, lib.spin_gemm, lib.spin_gemm_pack_bf16, lib.spin_gemm_bf16, lib.spin_rms_norm):
+            fn.restype = None
     except (CpuGemmUnavailable, OSError, subprocess.SubprocessError) as e:
         if m == "on":
             raise CpuGemmUnavailable(f"SPIN_BATCH_CPU_GEMM=on but the kernel cannot be built: {e}") from e
@@ -106,31 +111,44 @@ def reset() -> None:
 
 
 class PanelWeight:
-    """A [out, in] float32 weight packed for spin_gemm; called on x [M, in] float32, returns [M, out]."""
+    """A [out, in] float32 or bfloat16 weight packed for spin_gemm / spin_gemm_bf16; called on x [M, in],
+    returns [M, out] in the weight's dtype."""
 
     def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor):
         self.lib = lib
+        self.dtype = weight.dtype
+        bf16 = self.dtype == torch.bfloat16
+        pack = lib.spin_gemm_pack_bf16 if bf16 else lib.spin_gemm_pack
+        self.gemm = lib.spin_gemm_bf16 if bf16 else lib.spin_gemm
         self.out_features, self.in_features = weight.shape
         self.padded = -(-self.out_features // PANEL) * PANEL
         w = weight.detach().contiguous()
-        self.packed = torch.empty(self.padded * self.in_features, dtype=torch.float32)
-        lib.spin_gemm_pack(w.data_ptr(), self.packed.data_ptr(), self.out_features, self.in_features, self.padded)
+        self.packed = torch.empty(self.padded * self.in_features, dtype=self.dtype)
+        pack(w.data_ptr(), self.packed.data_ptr(), self.out_features, self.in_features, self.padded)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.float32).contiguous()  # the C code reads float32 rows; a no-op on the loop's inputs
+        x = x.to(self.dtype).contiguous()  # the C code reads rows of the weight's dtype; a no-op in the loop
         M = x.shape[0]
-        y = torch.empty(M, self.padded, dtype=torch.float32)
+        y = torch.empty(M, self.padded, dtype=self.dtype)
         if M:
-            self.lib.spin_gemm(x.data_ptr(), self.packed.data_ptr(), y.data_ptr(), M, self.padded, self.in_features)
+            self.gemm(x.data_ptr(), self.packed.data_ptr(), y.data_ptr(), M, self.padded, self.in_features)
         return y if self.padded == self.out_features else y[:, : self.out_features]
 
 
 def panel_weight(weight: torch.Tensor) -> PanelWeight | None:
-    """weight packed for the kernel, when it applies (float32 on CPU) and is available; else None."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+    """weight packed for the kernel, when it applies and is available; else None.
+
+    It applies to 2-D CPU weights in float32, and in bfloat16 where the CPU has AVX512-BF16 (the
+    library says so) and the input width is even (the kernel reads inputs in pairs).
+    """
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     lib = library()
-    return None if lib is None else PanelWeight(lib, weight)
+    if lib is None:
+        return None
+    if weight.dtype == torch.bfloat16 and (not lib.spin_gemm_bf16_ok() or weight.shape[1] % 2):
+        return None
+    return PanelWeight(lib, weight)
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
