@@ -175,3 +175,69 @@ def test_the_model_norms_with_it_on_cpu(lib, tiny_dir):
     h = torch.randn(5, model.spec.hidden_size)
     w = model.layers[0].attn_norm
     torch.testing.assert_close(model.normed(h, w), torch.nn.functional.rms_norm(h, w.shape, w, model.spec.rms_norm_eps))
+
+
+# -- attention ------------------------------------------------------------------------------
+
+
+def _attention_case(dtype, seed=0, slots=4, KV=3, H=9, D=64, L=300):
+    g = torch.Generator().manual_seed(seed)
+    cache = [torch.randn(slots, KV, L, D, generator=g).to(dtype) for _ in range(2)]
+    return cache, lambda N: (torch.randn(N, H + KV, D, generator=g).to(dtype),
+                             torch.randn(N, KV, D, generator=g).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_writes_the_cache_and_matches_the_torch_reference(lib, dtype):
+    from spin_batch.models.llama import attention_ref
+    from spin_batch.models.segments import Segments
+
+    (ck, cv), make = _attention_case(dtype)
+    seg = Segments.build([(2, 1, 100), (0, 5, 37), (3, 70, 130), (1, 1, 0), (2, 3, 101)][:4])
+    qk, v = make(seg.num_tokens)
+    want_k, want_v = ck.clone(), cv.clone()
+    for i, (s, p) in enumerate(zip(seg.token_slots.tolist(), seg.positions.tolist())):
+        want_k[s, :, p], want_v[s, :, p] = qk[i, 9:], v[i]
+    out = cpu_gemm.attention(lib, qk[:, :9], qk[:, 9:], v, ck, cv, seg.token_slots, seg.positions)
+    assert out.dtype == dtype and out.shape == (seg.num_tokens, 9, 64)
+    assert torch.equal(ck, want_k) and torch.equal(cv, want_v)
+    ref = attention_ref(qk[:, :9].double(), want_k.double(), want_v.double(), seg)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8 * ref.abs().max().item()
+    assert (out.double() - ref).abs().max() <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_attention_does_not_depend_on_its_segment_or_batch(lib, dtype):
+    """One row, same cache: alone as a decode step, inside a verify run, inside a prefill chunk and
+    next to other slots' rows, bitwise the same (what greedy equality needs of attention)."""
+    from spin_batch.models.segments import Segments
+
+    (ck, cv), make = _attention_case(dtype, seed=3)
+    qk, v = make(40)  # rows for slot 1, positions 150..189, written once
+    cpu_gemm.attention(lib, qk[:, :9], qk[:, 9:], v, ck, cv, torch.full((40,), 1), torch.arange(150, 190))
+    want = {}
+    for p in (150, 157, 189):  # each row alone, as a decode step over the full cache
+        i = p - 150
+        want[p] = cpu_gemm.attention(lib, qk[i:i + 1, :9], qk[i:i + 1, 9:], v[i:i + 1], ck, cv,
+                                     torch.tensor([1]), torch.tensor([p]))[0]
+    for parts, first in [([(1, 40, 150)], 150),  # the prefill chunk
+                         ([(0, 2, 10), (1, 8, 150), (3, 1, 77)], 150),  # a verify run among other slots
+                         ([(2, 16, 0), (1, 33, 157), (0, 1, 5)], 157)]:
+        seg = Segments.build(parts)
+        ref_qk, ref_v = make(seg.num_tokens)
+        a = seg.starts[[s for s, _, _ in parts].index(1)]
+        n = [n for s, n, _ in parts if s == 1][0]
+        ref_qk[a:a + n], ref_v[a:a + n] = qk[first - 150:first - 150 + n], v[first - 150:first - 150 + n]
+        out = cpu_gemm.attention(lib, ref_qk[:, :9], ref_qk[:, 9:], ref_v, ck.clone(), cv.clone(), seg.token_slots,
+                                 seg.positions)
+        for p, row in want.items():
+            if first <= p < first + n:
+                assert torch.equal(out[a + p - first], row), (parts, p)
+
+
+def test_the_model_attends_with_it_on_cpu(lib, tiny_dir):
+    from spin_batch.models.loader import load_model
+
+    assert load_model(tiny_dir, "float32", torch.device("cpu")).c_attention
+    assert load_model(tiny_dir, "bfloat16", torch.device("cpu")).c_attention
+    assert not load_model(tiny_dir, "float16", torch.device("cpu")).c_attention  # float16 stays on the torch path

@@ -166,3 +166,176 @@ void spin_rms_norm(const float *x, const float *w, float *y, int64_t M, int64_t 
         for (c = 0; c < C; c++) yr[c] = (xr[c] * r) * w[c];
     }
 }
+
+/* ---- Attention over the per-slot KV cache, one layer, every row of a packed forward ----------------
+ *
+ * Row i (slot s, absolute position p) first has its new K/V written at (s, p); then each of its H query
+ * heads attends to its slot's keys 0..p: softmax(q k^T / sqrt(D)) v, the softmax over blocks of keys with
+ * a running maximum (one pass over the keys). A (row, KV head) task owns its G = H / KV query heads, so
+ * it reads each key and value once. Every row is computed alone, the keys in order, the same way
+ * whatever segment, batch or prefill chunk it arrives in: a decode step, a verify run and a prefill
+ * give bitwise the same output for the same row and cache. Storage is float32 or bfloat16 (ES 4 or 2),
+ * arithmetic float32; D a multiple of 16, at most 256. */
+
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const void *p, int es) {
+    if (es == 4) return *(const v16 *)p;
+    u32x16 w = __builtin_convertvector(*(const u16x16 *)p, u32x16) << 16;
+    return (v16)w;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
+    uint32_t b;
+    __builtin_memcpy(&b, &f, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+
+typedef int32_t perm16 __attribute__((vector_size(64)));
+
+/* r[t] = the sum of a[t]'s 16 lanes, for t < 16, by a transposing tree of shuffles and adds: every key's
+ * lanes are added in the same order (j + j^8, then j^4, j^2, j^1), wherever it sits in the block. */
+static inline v16 reduce16(const v16 a[16]) {
+    v16 c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], (perm16){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+               __builtin_shuffle(a[2 * i], a[2 * i + 1], (perm16){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int i = 0; i < 4; i++)
+        d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], (perm16){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}) +
+               __builtin_shuffle(c[2 * i], c[2 * i + 1], (perm16){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+    for (int i = 0; i < 2; i++)
+        e[i] = __builtin_shuffle(d[2 * i], d[2 * i + 1], (perm16){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
+               __builtin_shuffle(d[2 * i], d[2 * i + 1], (perm16){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+    v16 f = __builtin_shuffle(e[0], e[1], (perm16){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}) +
+            __builtin_shuffle(e[0], e[1], (perm16){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+    /* lane L of f holds key bitreverse4(L) */
+    return __builtin_shuffle(f, (perm16){0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
+}
+
+/* e^x for x <= 0, to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor
+ * polynomial, 2^n put into the exponent bits. Below -87 it returns 0. */
+static inline v16 exp16(v16 x) {
+    const v16 lo = (v16){0} - 87.0f;
+    i32x16 under = x < lo;
+    x = (v16)((i32x16)x & ~under) + (v16)((i32x16)lo & under);
+    v16 t = x * 1.44269504088896341f + 12582912.0f; /* round to nearest integer, in the low bits */
+    v16 n = t - 12582912.0f;
+    v16 r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+    v16 p = (v16){0} + 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    return (v16)((i32x16)(p * (v16)e) & ~under);
+}
+
+#define KEY_BLOCK 64
+#define MAX_G 16
+
+static void attend_one(const char *q, const char *kc, const char *vc, char *out, int64_t pos, int64_t G,
+                       int64_t D, float scale, int es) {
+    int64_t nv = D / 16;
+    v16 qv[MAX_G][16], acc[MAX_G][16];
+    float m[MAX_G], l[MAX_G], s[MAX_G][KEY_BLOCK];
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t j = 0; j < nv; j++) {
+            qv[g][j] = load16(q + (g * D + j * 16) * es, es) * scale;
+            acc[g][j] = (v16){0};
+        }
+        m[g] = -__builtin_inff();
+        l[g] = 0.0f;
+    }
+    for (int64_t t0 = 0; t0 <= pos; t0 += KEY_BLOCK) {
+        int64_t n = pos + 1 - t0 < KEY_BLOCK ? pos + 1 - t0 : KEY_BLOCK;
+        for (int64_t t = 0; t < n; t += 16) { /* scores of 16 keys at a time */
+            v16 part[MAX_G][16];
+            for (int64_t u = 0; u < 16; u++) {
+                if (t + u >= n) { /* past the last key: zeros, never read */
+                    for (int64_t g = 0; g < G; g++) part[g][u] = (v16){0};
+                    continue;
+                }
+                const char *k = kc + (t0 + t + u) * D * es;
+                v16 kv[16];
+                for (int64_t j = 0; j < nv; j++) kv[j] = load16(k + j * 16 * es, es);
+                for (int64_t g = 0; g < G; g++) {
+                    v16 d = qv[g][0] * kv[0];
+                    for (int64_t j = 1; j < nv; j++) d += qv[g][j] * kv[j];
+                    part[g][u] = d;
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                v16 r = reduce16(part[g]);
+                __builtin_memcpy(&s[g][t], &r, 64);
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float bm = m[g];
+            for (int64_t t = 0; t < n; t++) bm = s[g][t] > bm ? s[g][t] : bm;
+            if (bm > m[g]) { /* rescale what the earlier blocks summed */
+                float f = m[g] == -__builtin_inff() ? 0.0f : exp16((v16){0} + (m[g] - bm))[0];
+                l[g] *= f;
+                for (int64_t j = 0; j < nv; j++) acc[g][j] *= f;
+                m[g] = bm;
+            }
+            for (int64_t t = 0; t < n; t += 16) {
+                v16 x;
+                for (int j = 0; j < 16; j++) x[j] = t + j < n ? s[g][t + j] - bm : -1000.0f;
+                v16 e = exp16(x);
+                for (int j = 0; j < 16 && t + j < n; j++) s[g][t + j] = e[j];
+            }
+            for (int64_t t = 0; t < n; t++) l[g] += s[g][t];
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const char *v = vc + (t0 + t) * D * es;
+            v16 vv[16];
+            for (int64_t j = 0; j < nv; j++) vv[j] = load16(v + j * 16 * es, es);
+            for (int64_t g = 0; g < G; g++) {
+                float p = s[g][t];
+                for (int64_t j = 0; j < nv; j++) acc[g][j] += p * vv[j];
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float inv = 1.0f / l[g];
+        for (int64_t j = 0; j < nv; j++) {
+            v16 o = acc[g][j] * inv;
+            if (es == 4) {
+                __builtin_memcpy(out + (g * D + j * 16) * 4, &o, 64);
+            } else {
+                uint16_t *ob = (uint16_t *)out + g * D + j * 16;
+                for (int c = 0; c < 16; c++) ob[c] = to_bf16(o[c]);
+            }
+        }
+    }
+}
+
+int spin_attention_max_head_dim(void) { return 256; }
+
+/* q [N, H, D] (row stride q_rs elements), k_new / v_new [N, KV, D] (row strides), kc / vc this layer's
+ * cache [slots, KV, max_len, D], out [N, H, D] contiguous; slot / pos [N] per row. */
+void spin_attention(const void *q, int64_t q_rs, const void *k_new, int64_t k_rs, const void *v_new, int64_t v_rs,
+                    void *kc, void *vc, void *out, const int64_t *slot, const int64_t *pos, int64_t N, int64_t H,
+                    int64_t KV, int64_t D, int64_t max_len, int es) {
+    int64_t G = H / KV, head = max_len * D * es, slot_size = KV * head;
+    for (int64_t i = 0; i < N; i++)
+        for (int64_t h = 0; h < KV; h++) {
+            int64_t at = slot[i] * slot_size + h * head + pos[i] * D * es;
+            __builtin_memcpy((char *)kc + at, (const char *)k_new + (i * k_rs + h * D) * es, D * es);
+            __builtin_memcpy((char *)vc + at, (const char *)v_new + (i * v_rs + h * D) * es, D * es);
+        }
+    float scale = 1.0f / __builtin_sqrtf((float)D);
+#pragma omp parallel for schedule(dynamic, 1) if (N * KV > 1)
+    for (int64_t task = 0; task < N * KV; task++) {
+        int64_t i = task / KV, h = task % KV, base = slot[i] * slot_size + h * head;
+        attend_one((const char *)q + (i * q_rs + h * G * D) * es, (const char *)kc + base, (const char *)vc + base,
+                   (char *)out + (i * H + h * G) * D * es, pos[i], G, D, scale, es);
+    }
+}

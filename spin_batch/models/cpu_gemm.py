@@ -93,7 +93,10 @@ def library() -> ctypes.CDLL | None:
         lib.spin_gemm_bf16.argtypes = lib.spin_gemm.argtypes
         lib.spin_gemm_bf16_ok.argtypes = []
         lib.spin_gemm_bf16_ok.restype = ctypes.c_int
-        for fn in (lib.spin_gemm_pack, lib.spin_gemm, lib.spin_gemm_pack_bf16, lib.spin_gemm_bf16, lib.spin_rms_norm):
+        lib.spin_attention.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5
+                                       + [ctypes.c_int64] * 5 + [ctypes.c_int])
+        lib.spin_attention_max_head_dim.restype = ctypes.c_int
+        for fn in (lib.spin_attention, lib.spin_gemm_pack, lib.spin_gemm, lib.spin_gemm_pack_bf16, lib.spin_gemm_bf16, lib.spin_rms_norm):
             fn.restype = None
     except (CpuGemmUnavailable, OSError, subprocess.SubprocessError) as e:
         if m == "on":
@@ -157,3 +160,32 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
     y = torch.empty_like(x)
     lib.spin_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
     return y
+
+
+ATTENTION_DTYPES = {torch.float32: 4, torch.bfloat16: 2}
+
+
+def attention_applies(lib: ctypes.CDLL, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether spin_attention takes this model: float32 or bfloat16, D a multiple of 16 up to the
+    library's limit, at most 16 query heads per KV head."""
+    return (dtype in ATTENTION_DTYPES and head_dim % 16 == 0 and head_dim <= lib.spin_attention_max_head_dim()
+            and heads % kv_heads == 0 and heads // kv_heads <= 16)
+
+
+def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+              cache_v: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Writes k, v [N, KV, D] into one layer's cache [slots, KV, max_len, D] at (slot, pos) per row,
+    then returns every row's attention [N, H, D] over its slot's keys 0..pos (q [N, H, D])."""
+    N, H, D = q.shape
+    KV, max_len = cache_k.shape[1], cache_k.shape[2]
+    for t in (q, k, v):
+        if t.stride(2) != 1 or t.stride(1) != D or t.dtype != cache_k.dtype:
+            raise ValueError("spin_attention: rows of contiguous heads in the cache's dtype expected")
+    if not (cache_k.is_contiguous() and cache_v.is_contiguous()):
+        raise ValueError("spin_attention: the cache must be contiguous")
+    out = torch.empty(N, H, D, dtype=q.dtype)
+    if N:
+        lib.spin_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                           cache_k.data_ptr(), cache_v.data_ptr(), out.data_ptr(), slot.data_ptr(), pos.data_ptr(),
+                           N, H, KV, D, max_len, ATTENTION_DTYPES[q.dtype])
+    return out

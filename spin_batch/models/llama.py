@@ -129,12 +129,12 @@ def _onednn_linear_available() -> bool:
 class Linear:
     """x [N, in] -> x @ weight[out, in]^T (+ bias) -> [N, out].
 
-    On CPU, float32 weights go to our panel GEMM (cpu_gemm.py): it streams them near memory speed
-    at the loop's batch sizes and keeps each row's result independent of the batch. Where that
-    kernel is off or cannot be built, and for bfloat16, the weight is prepacked once into
-    oneDNN's blocked layout: oneDNN streams the weights about 2x faster than the MKL sgemm behind
-    F.linear at N = 1 and 2.5-3x faster at N = 5..80 (same fp32 math, results within a few ulp).
-    Other devices use F.linear.
+    On CPU, float32 weights, and bfloat16 ones where the CPU has AVX512-BF16, go to our panel GEMM
+    (cpu_gemm.py): it streams them near memory speed at the loop's batch sizes and keeps each row's
+    result independent of the batch. Where that kernel is off or cannot be built, and for other
+    bfloat16 CPUs, the weight is prepacked once into oneDNN's blocked layout: oneDNN streams the
+    weights about 2x faster than the MKL sgemm behind F.linear at N = 1 and 2.5-3x faster at
+    N = 5..80 (same fp32 math, results within a few ulp). Other devices use F.linear.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -381,6 +381,9 @@ class LlamaModel:
         self.device = embed.device
         self.kernels = kernels_module(self.device)  # Triton kernels, or None for the torch path
         self.cpu_lib = cpu_gemm.library() if self.device.type == "cpu" else None  # the C norm, or None
+        # The C attention (cpu_gemm.c) on CPU where it takes this model, else the torch path.
+        self.c_attention = self.cpu_lib is not None and cpu_gemm.attention_applies(
+            self.cpu_lib, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self._rope_len = 0
         self._ensure_rope(max_len or min(spec.max_position_embeddings, 4096))
 
@@ -487,7 +490,12 @@ class LlamaModel:
         qk_width, inter = (H + KV) * D, s.intermediate_size
         cos = self.cos[seg.positions].unsqueeze(1)  # [N, 1, D]
         sin = self.sin_signed[seg.positions].unsqueeze(1)
-        attend = self._kernel_attention(seg) if self.kernels else self._torch_attention(seg, cache)
+        if self.kernels:
+            attend = self._kernel_attention(seg)
+        elif self.c_attention:
+            attend = self._c_attention(seg)
+        else:
+            attend = self._torch_attention(seg, cache)
         h = self.embed[tokens]  # [N, C] (or [N, E], projected to C)
         if extra is not None:
             h = torch.cat((h, extra), dim=-1)
@@ -519,6 +527,15 @@ class LlamaModel:
         def attend(li: int, cache: KVCache, q, k, v) -> torch.Tensor:
             cache.write(li, rows, k, v)
             return attention(q, cache.k[li], cache.v[li], seg, plan)
+
+        return attend
+
+    def _c_attention(self, seg: Segments):
+        """C on CPU: KV write and every row's attention in one call per layer (see cpu_gemm.c)."""
+        lib = self.cpu_lib
+
+        def attend(li: int, cache: KVCache, q, k, v) -> torch.Tensor:
+            return cpu_gemm.attention(lib, q, k, v, cache.k[li], cache.v[li], seg.token_slots, seg.positions)
 
         return attend
 
