@@ -238,79 +238,91 @@ static inline v16 exp16(v16 x) {
 }
 
 #define KEY_BLOCK 64
-#define MAX_G 16
+#define MAX_Q 16 /* query vectors per task: rows of one slot times the G query heads of one KV head */
 
-static void attend_one(const char *q, const char *kc, const char *vc, char *out, int64_t pos, int64_t G,
-                       int64_t D, float scale, int es) {
-    int64_t nv = D / 16;
-    v16 qv[MAX_G][16], acc[MAX_G][16];
-    float m[MAX_G], l[MAX_G], s[MAX_G][KEY_BLOCK];
-    for (int64_t g = 0; g < G; g++) {
-        for (int64_t j = 0; j < nv; j++) {
-            qv[g][j] = load16(q + (g * D + j * 16) * es, es) * scale;
-            acc[g][j] = (v16){0};
-        }
-        m[g] = -__builtin_inff();
-        l[g] = 0.0f;
-    }
-    for (int64_t t0 = 0; t0 <= pos; t0 += KEY_BLOCK) {
-        int64_t n = pos + 1 - t0 < KEY_BLOCK ? pos + 1 - t0 : KEY_BLOCK;
-        for (int64_t t = 0; t < n; t += 16) { /* scores of 16 keys at a time */
-            v16 part[MAX_G][16];
-            for (int64_t u = 0; u < 16; u++) {
-                if (t + u >= n) { /* past the last key: zeros, never read */
-                    for (int64_t g = 0; g < G; g++) part[g][u] = (v16){0};
-                    continue;
-                }
-                const char *k = kc + (t0 + t + u) * D * es;
-                v16 kv[16];
-                for (int64_t j = 0; j < nv; j++) kv[j] = load16(k + j * 16 * es, es);
-                for (int64_t g = 0; g < G; g++) {
-                    v16 d = qv[g][0] * kv[0];
-                    for (int64_t j = 1; j < nv; j++) d += qv[g][j] * kv[j];
-                    part[g][u] = d;
-                }
-            }
-            for (int64_t g = 0; g < G; g++) {
-                v16 r = reduce16(part[g]);
-                __builtin_memcpy(&s[g][t], &r, 64);
-            }
-        }
+/* Rows of one slot (positions pos[r]), the G query heads of one KV head: they share every key and value
+ * load. Each query's keys, blocks, sums and their order are those it would have alone. */
+static void attend_rows(const char *q, int64_t q_rs, const char *kc, const char *vc, char *out, int64_t out_rs,
+                        const int64_t *pos, int64_t nr, int64_t G, int64_t D, float scale, int es) {
+    int64_t nv = D / 16, Q = nr * G, last = 0;
+    v16 qv[MAX_Q][16], acc[MAX_Q][16];
+    float m[MAX_Q], l[MAX_Q], s[MAX_Q][KEY_BLOCK];
+    int64_t qpos[MAX_Q];
+    for (int64_t r = 0; r < nr; r++)
         for (int64_t g = 0; g < G; g++) {
-            float bm = m[g];
-            for (int64_t t = 0; t < n; t++) bm = s[g][t] > bm ? s[g][t] : bm;
-            if (bm > m[g]) { /* rescale what the earlier blocks summed */
-                float f = m[g] == -__builtin_inff() ? 0.0f : exp16((v16){0} + (m[g] - bm))[0];
-                l[g] *= f;
-                for (int64_t j = 0; j < nv; j++) acc[g][j] *= f;
-                m[g] = bm;
+            int64_t qi = r * G + g;
+            for (int64_t j = 0; j < nv; j++) {
+                qv[qi][j] = load16(q + (r * q_rs + g * D + j * 16) * es, es) * scale;
+                acc[qi][j] = (v16){0};
             }
-            for (int64_t t = 0; t < n; t += 16) {
+            m[qi] = -__builtin_inff();
+            l[qi] = 0.0f;
+            qpos[qi] = pos[r];
+            last = pos[r] > last ? pos[r] : last;
+        }
+    for (int64_t t0 = 0; t0 <= last; t0 += KEY_BLOCK) {
+        int64_t n = last + 1 - t0 < KEY_BLOCK ? last + 1 - t0 : KEY_BLOCK;
+        for (int64_t t = 0; t < n; t += 16) { /* scores of 16 keys at a time */
+            v16 part[MAX_Q][16];
+            for (int64_t u = 0; u < 16; u++) {
+                v16 kv[16];
+                int have = t + u < n;
+                if (have)
+                    for (int64_t j = 0; j < nv; j++) kv[j] = load16(kc + ((t0 + t + u) * D + j * 16) * es, es);
+                for (int64_t qi = 0; qi < Q; qi++) {
+                    if (!have || t0 + t + u > qpos[qi]) { /* past the query's last key: zeros, never read */
+                        part[qi][u] = (v16){0};
+                        continue;
+                    }
+                    v16 d = qv[qi][0] * kv[0];
+                    for (int64_t j = 1; j < nv; j++) d += qv[qi][j] * kv[j];
+                    part[qi][u] = d;
+                }
+            }
+            for (int64_t qi = 0; qi < Q; qi++)
+                if (t0 + t <= qpos[qi]) {
+                    v16 r = reduce16(part[qi]);
+                    __builtin_memcpy(&s[qi][t], &r, 64);
+                }
+        }
+        for (int64_t qi = 0; qi < Q; qi++) {
+            int64_t nq = qpos[qi] + 1 - t0 < n ? qpos[qi] + 1 - t0 : n; /* the query's keys in this block */
+            if (nq <= 0) continue;
+            float bm = m[qi];
+            for (int64_t t = 0; t < nq; t++) bm = s[qi][t] > bm ? s[qi][t] : bm;
+            if (bm > m[qi]) { /* rescale what the earlier blocks summed */
+                float f = m[qi] == -__builtin_inff() ? 0.0f : exp16((v16){0} + (m[qi] - bm))[0];
+                l[qi] *= f;
+                for (int64_t j = 0; j < nv; j++) acc[qi][j] *= f;
+                m[qi] = bm;
+            }
+            for (int64_t t = 0; t < nq; t += 16) {
                 v16 x;
-                for (int j = 0; j < 16; j++) x[j] = t + j < n ? s[g][t + j] - bm : -1000.0f;
+                for (int j = 0; j < 16; j++) x[j] = t + j < nq ? s[qi][t + j] - bm : -1000.0f;
                 v16 e = exp16(x);
-                for (int j = 0; j < 16 && t + j < n; j++) s[g][t + j] = e[j];
+                for (int j = 0; j < 16 && t + j < nq; j++) s[qi][t + j] = e[j];
             }
-            for (int64_t t = 0; t < n; t++) l[g] += s[g][t];
+            for (int64_t t = 0; t < nq; t++) l[qi] += s[qi][t];
         }
         for (int64_t t = 0; t < n; t++) {
-            const char *v = vc + (t0 + t) * D * es;
             v16 vv[16];
-            for (int64_t j = 0; j < nv; j++) vv[j] = load16(v + j * 16 * es, es);
-            for (int64_t g = 0; g < G; g++) {
-                float p = s[g][t];
-                for (int64_t j = 0; j < nv; j++) acc[g][j] += p * vv[j];
+            for (int64_t j = 0; j < nv; j++) vv[j] = load16(vc + ((t0 + t) * D + j * 16) * es, es);
+            for (int64_t qi = 0; qi < Q; qi++) {
+                if (t0 + t > qpos[qi]) continue;
+                float p = s[qi][t];
+                for (int64_t j = 0; j < nv; j++) acc[qi][j] += p * vv[j];
             }
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float inv = 1.0f / l[g];
+    for (int64_t qi = 0; qi < Q; qi++) {
+        float inv = 1.0f / l[qi];
+        char *o_row = out + ((qi / G) * out_rs + (qi % G) * D) * es;
         for (int64_t j = 0; j < nv; j++) {
-            v16 o = acc[g][j] * inv;
+            v16 o = acc[qi][j] * inv;
             if (es == 4) {
-                __builtin_memcpy(out + (g * D + j * 16) * 4, &o, 64);
+                __builtin_memcpy(o_row + j * 16 * 4, &o, 64);
             } else {
-                uint16_t *ob = (uint16_t *)out + g * D + j * 16;
+                uint16_t *ob = (uint16_t *)o_row + j * 16;
                 for (int c = 0; c < 16; c++) ob[c] = to_bf16(o[c]);
             }
         }
@@ -320,8 +332,9 @@ static void attend_one(const char *q, const char *kc, const char *vc, char *out,
 int spin_attention_max_head_dim(void) { return 256; }
 
 /* q [N, H, D] (row stride q_rs elements), k_new / v_new [N, KV, D] (row strides), kc / vc this layer's
- * cache [slots, KV, max_len, D], out [N, H, D] contiguous; slot / pos [N] per row. */
-void spin_attention(const void *q, int64_t q_rs, const void *k_new, int64_t k_rs, const void *v_new, int64_t v_rs,
+ * cache [slots, KV, max_len, D], out [N, H, D] contiguous; slot / pos [N] per row. Returns 0, or -1 when
+ * out of memory. */
+int spin_attention(const void *q, int64_t q_rs, const void *k_new, int64_t k_rs, const void *v_new, int64_t v_rs,
                     void *kc, void *vc, void *out, const int64_t *slot, const int64_t *pos, int64_t N, int64_t H,
                     int64_t KV, int64_t D, int64_t max_len, int es) {
     int64_t G = H / KV, head = max_len * D * es, slot_size = KV * head;
@@ -331,11 +344,22 @@ void spin_attention(const void *q, int64_t q_rs, const void *k_new, int64_t k_rs
             __builtin_memcpy((char *)kc + at, (const char *)k_new + (i * k_rs + h * D) * es, D * es);
             __builtin_memcpy((char *)vc + at, (const char *)v_new + (i * v_rs + h * D) * es, D * es);
         }
+    /* tasks: runs of up to MAX_Q / G consecutive rows of one slot (a decode token, a verify run, a piece of
+     * a prefill chunk), times the KV heads */
+    int64_t per = MAX_Q / G, nc = 0;
+    int64_t *chunk = (int64_t *)__builtin_malloc((N + 1) * sizeof(int64_t));
+    if (!chunk) return -1;
+    for (int64_t i = 0; i < N; i++)
+        if (i == 0 || slot[i] != slot[i - 1] || i - chunk[nc - 1] == per) chunk[nc++] = i;
+    chunk[nc] = N;
     float scale = 1.0f / __builtin_sqrtf((float)D);
-#pragma omp parallel for schedule(dynamic, 1) if (N * KV > 1)
-    for (int64_t task = 0; task < N * KV; task++) {
-        int64_t i = task / KV, h = task % KV, base = slot[i] * slot_size + h * head;
-        attend_one((const char *)q + (i * q_rs + h * G * D) * es, (const char *)kc + base, (const char *)vc + base,
-                   (char *)out + (i * H + h * G) * D * es, pos[i], G, D, scale, es);
+#pragma omp parallel for schedule(dynamic, 1) if (nc * KV > 1)
+    for (int64_t task = 0; task < nc * KV; task++) {
+        int64_t c = task / KV, h = task % KV, i = chunk[c], base = slot[i] * slot_size + h * head;
+        attend_rows((const char *)q + (i * q_rs + h * G * D) * es, q_rs, (const char *)kc + base,
+                    (const char *)vc + base, (char *)out + (i * H + h * G) * D * es, H * D, pos + i,
+                    chunk[c + 1] - i, G, D, scale, es);
     }
+    __builtin_free(chunk);
+    return 0;
 }

@@ -96,7 +96,8 @@ def library() -> ctypes.CDLL | None:
         lib.spin_attention.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5
                                        + [ctypes.c_int64] * 5 + [ctypes.c_int])
         lib.spin_attention_max_head_dim.restype = ctypes.c_int
-        for fn in (lib.spin_attention, lib.spin_gemm_pack, lib.spin_gemm, lib.spin_gemm_pack_bf16, lib.spin_gemm_bf16, lib.spin_rms_norm):
+        lib.spin_attention.restype = ctypes.c_int
+        for fn in (lib.spin_gemm_pack, lib.spin_gemm, lib.spin_gemm_pack_bf16, lib.spin_gemm_bf16, lib.spin_rms_norm):
             fn.restype = None
     except (CpuGemmUnavailable, OSError, subprocess.SubprocessError) as e:
         if m == "on":
@@ -183,9 +184,11 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             raise ValueError("spin_attention: rows of contiguous heads in the cache's dtype expected")
     if not (cache_k.is_contiguous() and cache_v.is_contiguous()):
         raise ValueError("spin_attention: the cache must be contiguous")
+    if not all(t.dtype == torch.long and t.is_contiguous() and t.shape == (N,) for t in (slot, pos)):
+        raise ValueError("spin_attention: slot and pos must be [N] contiguous int64")
     out = torch.empty(N, H, D, dtype=q.dtype)
-    if N:
-        lib.spin_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+    if N and lib.spin_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                            cache_k.data_ptr(), cache_v.data_ptr(), out.data_ptr(), slot.data_ptr(), pos.data_ptr(),
-                           N, H, KV, D, max_len, ATTENTION_DTYPES[q.dtype])
+                           N, H, KV, D, max_len, ATTENTION_DTYPES[q.dtype]):
+        raise MemoryError("spin_attention: out of memory")
     return out
