@@ -11,6 +11,7 @@
  * outputs for the same input row. Output panels are split across OpenMP threads (the runtime torch loaded).
  */
 #include <stdint.h>
+#include <limits.h>
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
@@ -361,5 +362,130 @@ int spin_attention(const void *q, int64_t q_rs, const void *k_new, int64_t k_rs,
                     chunk[c + 1] - i, G, D, scale, es);
     }
     __builtin_free(chunk);
+    return 0;
+}
+
+/* ---- The decoder layers in one call ---------------------------------------------------------------
+ *
+ * For a forward on CPU, every layer's norm, QKV GEMM, rotary embedding, attention, output GEMM, residual
+ * add, norm, gate/up GEMM, SiLU-times-up and down GEMM run here, one call for all layers, instead of a
+ * dozen torch calls and four GEMM calls a layer from Python: at one slot that glue cost about as much
+ * time as the attention and norms together. The arithmetic is the kernels' above; the residual stream h
+ * stays float32, the GEMM inputs and outputs are in the weights' dtype (ES 4 float32, 2 bfloat16), and
+ * each row is computed alone, so a row's result still does not depend on its batch. */
+
+typedef struct {
+    const float *attn_norm, *mlp_norm;          /* [C] float32 */
+    const void *qkv, *o, *gate_up, *down;       /* packed by spin_gemm_pack or spin_gemm_pack_bf16 */
+    const void *qkv_bias;                       /* [(H + 2 KV) D] in the weights' dtype, or NULL */
+    int64_t qkv_out, gate_up_out;               /* padded output widths (multiples of 32) */
+} spin_layer_t;
+
+static inline float load1(const void *p, int64_t i, int es) {
+    if (es == 4) return ((const float *)p)[i];
+    uint32_t b = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    __builtin_memcpy(&f, &b, 4);
+    return f;
+}
+
+static inline void store1(void *p, int64_t i, float f, int es) {
+    if (es == 4)
+        ((float *)p)[i] = f;
+    else
+        ((uint16_t *)p)[i] = to_bf16(f);
+}
+
+static void gemm(const void *x, const void *wp, void *y, int64_t M, int64_t Op, int64_t K, int es) {
+    if (es == 4)
+        spin_gemm((const float *)x, (const float *)wp, (float *)y, M, Op, K);
+    else
+        spin_gemm_bf16((const uint16_t *)x, (const uint16_t *)wp, (uint16_t *)y, M, Op, K);
+}
+
+/* out [N, C] (weights' dtype) = rms_norm(h [N, C] float32) * w */
+static void norm_rows(const float *h, const float *w, void *out, int64_t N, int64_t C, float eps, int es) {
+#pragma omp parallel for schedule(static) if (N >= 16)
+    for (int64_t m = 0; m < N; m++) {
+        const float *xr = h + m * C;
+        v16 acc = (v16){0};
+        int64_t c = 0;
+        for (; c + 16 <= C; c += 16) {
+            v16 v = *(const v16 *)(xr + c);
+            acc += v * v;
+        }
+        float ss = 0.0f;
+        for (int k = 0; k < 16; k++) ss += acc[k];
+        for (; c < C; c++) ss += xr[c] * xr[c];
+        float r = 1.0f / __builtin_sqrtf(ss / (float)C + eps);
+        for (c = 0; c < C; c++) store1(out, m * C + c, (xr[c] * r) * w[c], es);
+    }
+}
+
+int64_t spin_decoder_scratch(int64_t N, int64_t C, int64_t H, int64_t D, int64_t I, int64_t qkv_w, int64_t gu_w,
+                             int es) {
+    return N * ((C > I ? C : I) + qkv_w + H * D + gu_w + (C + 31) / 32 * 32) * es;
+}
+
+/* h [N, C] float32 residual, updated in place through layers 0..L-1; slot / pos [N]; cos / sin_signed
+ * [N, D] float32 per row (see apply_rope in llama.py); cache_k / cache_v [layers, slots, KV, max_len, D]
+ * with layer_bytes between layers; scratch of spin_decoder_scratch(...) bytes. Returns 0, or -1 when out
+ * of memory. */
+int spin_decoder(float *h, int64_t N, const spin_layer_t *layers, int64_t L, const int64_t *slot,
+                 const int64_t *pos, const float *cos, const float *sin_signed, int64_t C, int64_t H, int64_t KV,
+                 int64_t D, int64_t I, int64_t max_len, float eps, int es, char *cache_k, char *cache_v,
+                 int64_t layer_bytes, char *scratch) {
+    int64_t QKV = (H + 2 * KV) * D, half = D / 2, widest = C > I ? C : I;
+    int64_t qkv_w = layers[0].qkv_out, gu_w = layers[0].gate_up_out, Cp = (C + 31) / 32 * 32;
+    void *xn = scratch;                                     /* [N, max(C, I)] norm output, SiLU output */
+    void *qkv = (char *)xn + N * widest * es;               /* [N, qkv_w] */
+    void *att = (char *)qkv + N * qkv_w * es;               /* [N, H D] */
+    void *gu = (char *)att + N * H * D * es;                /* [N, gu_w] */
+    void *y = (char *)gu + N * gu_w * es;                   /* [N, Cp] */
+    for (int64_t li = 0; li < L; li++) {
+        const spin_layer_t *lw = &layers[li];
+        norm_rows(h, lw->attn_norm, xn, N, C, eps, es);
+        gemm(xn, lw->qkv, qkv, N, qkv_w, C, es);
+#pragma omp parallel for schedule(static) if (N >= 16)
+        for (int64_t m = 0; m < N; m++) { /* bias, then rotary embedding of the H + KV q/k heads */
+            float x[256 * 2];
+            if (lw->qkv_bias)
+                for (int64_t c = 0; c < QKV; c++)
+                    store1(qkv, m * qkv_w + c, load1(qkv, m * qkv_w + c, es) + load1(lw->qkv_bias, c, es), es);
+            const float *cs = cos + m * D, *sn = sin_signed + m * D;
+            for (int64_t hd = 0; hd < H + KV; hd++) {
+                int64_t at = m * qkv_w + hd * D;
+                for (int64_t d = 0; d < D; d++) x[d] = load1(qkv, at + d, es);
+                for (int64_t d = 0; d < D; d++)
+                    store1(qkv, at + d, x[d] * cs[d] + x[d < half ? d + half : d - half] * sn[d], es);
+            }
+        }
+        if (spin_attention((char *)qkv, qkv_w, (char *)qkv + H * D * es, qkv_w, (char *)qkv + (H + KV) * D * es,
+                           qkv_w, cache_k + li * layer_bytes, cache_v + li * layer_bytes, att, slot, pos, N, H, KV, D, max_len, es))
+            return -1;
+        gemm(att, lw->o, y, N, Cp, H * D, es);
+        for (int64_t m = 0; m < N; m++)
+            for (int64_t c = 0; c < C; c++) h[m * C + c] += load1(y, m * Cp + c, es);
+        norm_rows(h, lw->mlp_norm, xn, N, C, eps, es);
+        gemm(xn, lw->gate_up, gu, N, gu_w, C, es);
+#pragma omp parallel for schedule(static) if (N >= 16)
+        for (int64_t m = 0; m < N; m++) /* silu(gate) * up; silu(g) = g / (1 + e^-g), e^-|g| never overflows */
+            for (int64_t c0 = 0; c0 < I; c0 += 16) {
+                v16 g, u;
+                int64_t n = I - c0 < 16 ? I - c0 : 16;
+                for (int j = 0; j < 16; j++) {
+                    g[j] = j < n ? load1(gu, m * gu_w + c0 + j, es) : 0.0f;
+                    u[j] = j < n ? load1(gu, m * gu_w + I + c0 + j, es) : 0.0f;
+                }
+                i32x16 neg = g < 0;
+                v16 e = exp16((v16)((i32x16)g | ((i32x16){0} + INT32_MIN))); /* e^-|g| */
+                v16 num = (v16)(((i32x16)g & ~neg) | ((i32x16)(g * e) & neg));
+                v16 r = num / (1.0f + e) * u;
+                for (int j = 0; j < n; j++) store1(xn, m * I + c0 + j, r[j], es);
+            }
+        gemm(xn, lw->down, y, N, Cp, I, es);
+        for (int64_t m = 0; m < N; m++)
+            for (int64_t c = 0; c < C; c++) h[m * C + c] += load1(y, m * Cp + c, es);
+    }
     return 0;
 }

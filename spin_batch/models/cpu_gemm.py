@@ -97,6 +97,12 @@ def library() -> ctypes.CDLL | None:
                                        + [ctypes.c_int64] * 5 + [ctypes.c_int])
         lib.spin_attention_max_head_dim.restype = ctypes.c_int
         lib.spin_attention.restype = ctypes.c_int
+        lib.spin_decoder.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+                                     + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+                                     + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_void_p])
+        lib.spin_decoder.restype = ctypes.c_int
+        lib.spin_decoder_scratch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int]
+        lib.spin_decoder_scratch.restype = ctypes.c_int64
         for fn in (lib.spin_gemm_pack, lib.spin_gemm, lib.spin_gemm_pack_bf16, lib.spin_gemm_bf16, lib.spin_rms_norm):
             fn.restype = None
     except (CpuGemmUnavailable, OSError, subprocess.SubprocessError) as e:
@@ -192,3 +198,76 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                            N, H, KV, D, max_len, ATTENTION_DTYPES[q.dtype]):
         raise MemoryError("spin_attention: out of memory")
     return out
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", ctypes.c_void_p),
+                ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+                ("qkv_bias", ctypes.c_void_p), ("qkv_out", ctypes.c_int64), ("gate_up_out", ctypes.c_int64)]
+
+
+class Decoder:
+    """A model's decoder layers run by spin_decoder: one C call a forward for all layers (cpu_gemm.c).
+
+    Built from LlamaModel layers whose four linears are all PanelWeights of one dtype; holds the
+    pointers, so the layers must outlive it (the model owns both).
+    """
+
+    def __init__(self, lib: ctypes.CDLL, layers, *, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                 eps: float):
+        self.lib = lib
+        self.H, self.KV, self.D, self.I, self.eps = heads, kv_heads, head_dim, intermediate, eps
+        self.dtype = layers[0].qkv.panel.dtype
+        self.es = ATTENTION_DTYPES[self.dtype]
+        self.hidden = layers[0].o.panel.out_features
+        self.qkv_w, self.gu_w = layers[0].qkv.panel.padded, layers[0].gate_up.panel.padded
+        self._keep = []  # contiguous copies the structs point at
+        self.layers = (_Layer * len(layers))()
+        for st, lw in zip(self.layers, layers):
+            norms = [lw.attn_norm.float().contiguous(), lw.mlp_norm.float().contiguous()]
+            bias = None if lw.qkv.bias is None else lw.qkv.bias.to(self.dtype).contiguous()
+            self._keep += norms + ([bias] if bias is not None else [])
+            st.attn_norm, st.mlp_norm = norms[0].data_ptr(), norms[1].data_ptr()
+            st.qkv, st.o = lw.qkv.panel.packed.data_ptr(), lw.o.panel.packed.data_ptr()
+            st.gate_up, st.down = lw.gate_up.panel.packed.data_ptr(), lw.down.panel.packed.data_ptr()
+            st.qkv_bias = None if bias is None else bias.data_ptr()
+            st.qkv_out, st.gate_up_out = self.qkv_w, self.gu_w
+
+    @staticmethod
+    def applies(lib: ctypes.CDLL, layers, dtype: torch.dtype) -> bool:
+        """All four linears of every layer on the panel GEMM in the model's dtype, one shape for all."""
+        if not layers or dtype not in ATTENTION_DTYPES:
+            return False
+        first = layers[0]
+        for lw in layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                lin, ref = getattr(lw, name), getattr(first, name)
+                if lin.panel is None or lin.panel.dtype != dtype or lin.panel.padded != ref.panel.padded:
+                    return False
+            if lw.o.bias is not None or lw.gate_up.bias is not None or lw.down.bias is not None:
+                return False
+        return True
+
+    def __call__(self, h: torch.Tensor, num_layers: int, slot: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
+                 sin_signed: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+        """Runs layers 0..num_layers-1 on the float32 residual h [N, C] in place and returns it. cos and
+        sin_signed are [N, D] float32 per row; cache_k / cache_v [layers, slots, KV, max_len, D]."""
+        N, C = h.shape
+        if not (h.dtype == torch.float32 and h.is_contiguous() and cache_k.is_contiguous() and cache_v.is_contiguous()
+                and cache_k.dtype == self.dtype and cos.dtype == sin_signed.dtype == torch.float32
+                and cos.is_contiguous() and sin_signed.is_contiguous() and 0 < num_layers <= len(self.layers)
+                and cache_k.shape[0] >= num_layers):
+            raise ValueError("spin_decoder: unexpected inputs")
+        if not all(t.dtype == torch.long and t.is_contiguous() and t.shape == (N,) for t in (slot, pos)):
+            raise ValueError("spin_decoder: slot and pos must be [N] contiguous int64")
+        if N == 0:
+            return h
+        scratch = torch.empty(self.lib.spin_decoder_scratch(N, C, self.H, self.D, self.I, self.qkv_w, self.gu_w,
+                                                            self.es), dtype=torch.uint8)
+        layer_bytes = cache_k.stride(0) * cache_k.element_size()
+        if self.lib.spin_decoder(h.data_ptr(), N, self.layers, num_layers, slot.data_ptr(), pos.data_ptr(),
+                                 cos.data_ptr(), sin_signed.data_ptr(), C, self.H, self.KV, self.D, self.I,
+                                 cache_k.shape[3], self.eps, self.es, cache_k.data_ptr(), cache_v.data_ptr(),
+                                 layer_bytes, scratch.data_ptr()):
+            raise MemoryError("spin_decoder: out of memory")
+        return h

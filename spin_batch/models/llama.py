@@ -386,6 +386,12 @@ class LlamaModel:
             self.cpu_lib, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self._rope_len = 0
         self._ensure_rope(max_len or min(spec.max_position_embeddings, 4096))
+        # All layers in one C call per forward where every piece runs on the C kernels.
+        self.c_decoder = None
+        if self.c_attention and cpu_gemm.Decoder.applies(self.cpu_lib, layers, self.dtype):
+            self.c_decoder = cpu_gemm.Decoder(self.cpu_lib, layers, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
+                                              head_dim=spec.head_dim, intermediate=spec.intermediate_size,
+                                              eps=spec.rms_norm_eps)
 
     # -- construction -------------------------------------------------------------------
 
@@ -433,6 +439,9 @@ class LlamaModel:
         self.sin = emb.sin().to(self.dtype)
         half = inv.shape[0]
         self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)  # see apply_rope
+        # float32 tables for the C decoder, which rotates in float32 whatever the weights' dtype
+        self.cos32, sin32 = emb.cos(), emb.sin()
+        self.sin32_signed = torch.cat((-sin32[:, :half], sin32[:, half:]), dim=-1)
         self._rope_len = length
 
     def allocate_cache(self, slots: int, max_len: int, num_layers: int | None = None) -> KVCache:
@@ -485,6 +494,10 @@ class LlamaModel:
         that reads the target's features does this).
         """
         s = self.spec
+        if self.c_decoder is not None and not self.kernels:
+            h = self._embed(tokens, extra).contiguous()
+            return self.c_decoder(h, num_layers or s.num_layers, seg.token_slots, seg.positions,
+                                  self.cos32[seg.positions], self.sin32_signed[seg.positions], cache.k, cache.v)
         n_tok = tokens.shape[0]
         H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
         qk_width, inter = (H + KV) * D, s.intermediate_size
@@ -496,12 +509,7 @@ class LlamaModel:
             attend = self._c_attention(seg)
         else:
             attend = self._torch_attention(seg, cache)
-        h = self.embed[tokens]  # [N, C] (or [N, E], projected to C)
-        if extra is not None:
-            h = torch.cat((h, extra), dim=-1)
-        if self.embed_proj is not None:
-            h = self.embed_proj(h)
-        h = h.float()  # the residual stream (a no-op in float32)
+        h = self._embed(tokens, extra)
         for li, lw in enumerate(self.layers[: num_layers or s.num_layers]):
             qkv = lw.qkv(self.normed(h, lw.attn_norm))  # [N, (H + 2 KV) * D]
             qk = apply_rope(qkv[:, :qk_width].view(n_tok, H + KV, D), cos, sin)  # [N, H + KV, D]
@@ -510,6 +518,15 @@ class LlamaModel:
             gate_up = lw.gate_up(self.normed(h, lw.mlp_norm))  # [N, 2 I]
             h = h + lw.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
         return h
+
+    def _embed(self, tokens: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        """The float32 residual stream's start [N, C]: token embeddings (plus extra, projected)."""
+        h = self.embed[tokens]  # [N, C] (or [N, E], projected to C)
+        if extra is not None:
+            h = torch.cat((h, extra), dim=-1)
+        if self.embed_proj is not None:
+            h = self.embed_proj(h)
+        return h.float()  # the residual stream (a no-op in float32)
 
     def normed(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """rms_norm of the float32 residual h, in the weights' dtype (the input of a linear)."""
