@@ -369,3 +369,27 @@ def test_pipelined_output_equals_unpipelined(target, reference, tiny_draft_dir, 
     # two target forwards per step while two or more slots decode
     assert summary["steps"] > plain.stats.summary()["steps"]
     assert 0 < summary["target_idle_fraction"] < 1
+
+
+@pytest.fixture(scope="module")
+def bf16_target(tiny_dir):
+    from spin_batch.models import cpu_gemm
+
+    lib = cpu_gemm.library()
+    if lib is None or not lib.spin_gemm_bf16_ok():
+        pytest.skip("no AVX512-BF16 CPU kernels here: bfloat16 runs on oneDNN, equal only up to rounding")
+    model = load_model(tiny_dir, "bfloat16")
+    assert model.c_decoder is not None
+    return model, load_tokenizer(tiny_dir)
+
+
+@pytest.mark.parametrize("slots", [3, 8])
+def test_bfloat16_on_the_c_kernels_is_exact_too(bf16_target, tiny_draft_dir, slots):
+    """Every row is computed alone on the C kernels, in bfloat16 as in float32: batch size, verify runs
+    and mixed gamma change no token."""
+    reference = run(make_loop(bf16_target, 1, NoSpeculation()))
+    assert run(make_loop(bf16_target, slots, NoSpeculation())) == reference
+    names = ["exit_1", "self", "random"]
+    loop = make_loop(bf16_target, slots, MixedGamma(names), [early_exit_1, self_model, random_drafter])
+    assert run(loop) == reference
+    assert loop.stats.summary()["drafters"]["self"]["acceptance_rate"] > 0.9  # long drafts were verified and kept

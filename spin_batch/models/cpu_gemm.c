@@ -148,12 +148,27 @@ void spin_gemm_pack_bf16(const uint16_t *w, uint16_t *wp, int64_t O, int64_t K, 
             }
 }
 
-/* y [M, C] = x * (1 / sqrt(mean(x^2) + eps)) * w per row, float32: one call instead of torch's
- * half-dozen ops, which cost 17-77 us a call at the loop's sizes. No threads: a row is 2-6 KB. */
-void spin_rms_norm(const float *x, const float *w, float *y, int64_t M, int64_t C, float eps) {
-    for (int64_t m = 0; m < M; m++) {
-        const float *xr = x + m * C;
-        float *yr = y + m * C;
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
+    uint32_t b;
+    __builtin_memcpy(&b, &f, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+
+static inline void store1(void *p, int64_t i, float f, int es) {
+    if (es == 4)
+        ((float *)p)[i] = f;
+    else
+        ((uint16_t *)p)[i] = to_bf16(f);
+}
+
+
+/* out [N, C] (weights' dtype) = rms_norm(h [N, C] float32) * w */
+static void norm_rows(const float *h, const float *w, void *out, int64_t N, int64_t C, float eps, int es) {
+#pragma omp parallel for schedule(static) if (N >= 16)
+    for (int64_t m = 0; m < N; m++) {
+        const float *xr = h + m * C;
         v16 acc = (v16){0};
         int64_t c = 0;
         for (; c + 16 <= C; c += 16) {
@@ -164,8 +179,14 @@ void spin_rms_norm(const float *x, const float *w, float *y, int64_t M, int64_t 
         for (int k = 0; k < 16; k++) ss += acc[k];
         for (; c < C; c++) ss += xr[c] * xr[c];
         float r = 1.0f / __builtin_sqrtf(ss / (float)C + eps);
-        for (c = 0; c < C; c++) yr[c] = (xr[c] * r) * w[c];
+        for (c = 0; c < C; c++) store1(out, m * C + c, (xr[c] * r) * w[c], es);
     }
+}
+
+/* y [M, C] = x * (1 / sqrt(mean(x^2) + eps)) * w per row, float32: one call instead of torch's
+ * half-dozen ops, which cost 17-77 us a call at the loop's sizes. */
+void spin_rms_norm(const float *x, const float *w, float *y, int64_t M, int64_t C, float eps) {
+    norm_rows(x, w, y, M, C, eps, 4);
 }
 
 /* ---- Attention over the per-slot KV cache, one layer, every row of a packed forward ----------------
@@ -188,13 +209,6 @@ static inline v16 load16(const void *p, int es) {
     return (v16)w;
 }
 
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
-    uint32_t b;
-    __builtin_memcpy(&b, &f, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    b += 0x7fffu + ((b >> 16) & 1u);
-    return (uint16_t)(b >> 16);
-}
 
 typedef int32_t perm16 __attribute__((vector_size(64)));
 
@@ -389,37 +403,12 @@ static inline float load1(const void *p, int64_t i, int es) {
     return f;
 }
 
-static inline void store1(void *p, int64_t i, float f, int es) {
-    if (es == 4)
-        ((float *)p)[i] = f;
-    else
-        ((uint16_t *)p)[i] = to_bf16(f);
-}
 
 static void gemm(const void *x, const void *wp, void *y, int64_t M, int64_t Op, int64_t K, int es) {
     if (es == 4)
         spin_gemm((const float *)x, (const float *)wp, (float *)y, M, Op, K);
     else
         spin_gemm_bf16((const uint16_t *)x, (const uint16_t *)wp, (uint16_t *)y, M, Op, K);
-}
-
-/* out [N, C] (weights' dtype) = rms_norm(h [N, C] float32) * w */
-static void norm_rows(const float *h, const float *w, void *out, int64_t N, int64_t C, float eps, int es) {
-#pragma omp parallel for schedule(static) if (N >= 16)
-    for (int64_t m = 0; m < N; m++) {
-        const float *xr = h + m * C;
-        v16 acc = (v16){0};
-        int64_t c = 0;
-        for (; c + 16 <= C; c += 16) {
-            v16 v = *(const v16 *)(xr + c);
-            acc += v * v;
-        }
-        float ss = 0.0f;
-        for (int k = 0; k < 16; k++) ss += acc[k];
-        for (; c < C; c++) ss += xr[c] * xr[c];
-        float r = 1.0f / __builtin_sqrtf(ss / (float)C + eps);
-        for (c = 0; c < C; c++) store1(out, m * C + c, (xr[c] * r) * w[c], es);
-    }
 }
 
 int64_t spin_decoder_scratch(int64_t N, int64_t C, int64_t H, int64_t D, int64_t I, int64_t qkv_w, int64_t gu_w,

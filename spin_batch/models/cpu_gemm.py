@@ -1,12 +1,18 @@
-"""The float32 CPU GEMM and RMS norm of the decode loop (cpu_gemm.c), compiled once per kind of machine.
+"""The decode loop's CPU kernels (cpu_gemm.c), compiled once per kind of machine.
 
-Why: at the loop's batch sizes oneDNN's prepacked GEMM streams the weights at 16-20 GB/s and costs
-17 us a call before it reads any, where the memory allows 26-34 GB/s. On a 2-core AVX-512 CPU the
-whole model's linears took 18 ms with this kernel against 30 ms with oneDNN at one row, 32 against
-36 ms at 16 rows, and about the same (1.02-1.07x) at 80-256 rows. It also makes a row's result
-independent of the batch it shares (see the C file), which oneDNN does not promise. The RMS norm
-(every layer's two, in the float32 residual stream, whatever the weights' dtype) is one call of
-3-11 us where torch's takes 14-27 us alone and 37-77 us inside the loop.
+What it holds, and why:
+- Panel GEMMs, float32 and (on AVX512-BF16 CPUs) bfloat16. At the loop's batch sizes oneDNN's
+  prepacked GEMM streams the weights at 16-20 GB/s and costs 17 us a call before it reads any,
+  where the memory allows 26-34 GB/s. On a 2-core AVX-512 CPU the float32 model's linears took
+  18 ms with this kernel against 30 ms with oneDNN at one row, 32 against 36 ms at 16 rows, and
+  about the same (1.02-1.07x) at 80-256 rows; the bfloat16 one is 1.3-2.2x oneDNN at 1-16 rows.
+- The RMS norm of the float32 residual stream: one call of 3-11 us where torch's takes 14-27 us.
+- Attention over the per-slot KV cache, with the KV write: 26 us a layer at one slot where
+  scaled_dot_product_attention took 88-121 us.
+- spin_decoder: all decoder layers of a forward in one call, so no Python runs between them.
+Every result of a row is computed alone, in a fixed order (see the C file): a row's output does not
+depend on the batch, the segment or the prefill chunk it arrives in, which oneDNN and SDPA do not
+promise. That makes speculative greedy output exact in bfloat16 as well as float32.
 
 The library is built with the system C compiler ($CC, else cc) with -O3 -march=native -fopenmp
 into $SPIN_BATCH_CACHE/cpu_gemm/, keyed by the source, the flags and the CPU's feature flags (a
@@ -14,7 +20,7 @@ cache shared over NFS by different nodes keeps one build per kind). It links aga
 runtime torch has already loaded, so torch.set_num_threads applies to it.
 
 SPIN_BATCH_CPU_GEMM=auto|on|off (default auto: use it when it builds, else warn once and fall back
-to oneDNN and torch's norm; on: fail if it cannot be built; off: never).
+to oneDNN and torch; on: fail if it cannot be built; off: never).
 """
 
 from __future__ import annotations
