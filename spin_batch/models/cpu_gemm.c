@@ -211,14 +211,18 @@ static inline v16 load16(const void *p, int es) {
 
 
 typedef int32_t perm16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 fold8(v16 d) { /* lanes j + j^8 */
+    return __builtin_shufflevector(d, d, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(d, d, 8, 9, 10, 11, 12, 13, 14, 15);
+}
 
 /* r[t] = the sum of a[t]'s 16 lanes, for t < 16, by a transposing tree of shuffles and adds: every key's
  * lanes are added in the same order (j + j^8, then j^4, j^2, j^1), wherever it sits in the block. */
-static inline v16 reduce16(const v16 a[16]) {
+static inline v16 reduce16(const v8 a[16]) { /* a[t]: key t's 16 lanes already folded to 8 (j + j^8) */
     v16 c[8], d[4], e[2];
     for (int i = 0; i < 8; i++)
-        c[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], (perm16){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
-               __builtin_shuffle(a[2 * i], a[2 * i + 1], (perm16){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+        c[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int i = 0; i < 4; i++)
         d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], (perm16){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}) +
                __builtin_shuffle(c[2 * i], c[2 * i + 1], (perm16){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
@@ -253,15 +257,17 @@ static inline v16 exp16(v16 x) {
 }
 
 #define KEY_BLOCK 64
+static const v16 LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 #define MAX_Q 16 /* query vectors per task: rows of one slot times the G query heads of one KV head */
 
 /* Rows of one slot (positions pos[r]), the G query heads of one KV head: they share every key and value
  * load. Each query's keys, blocks, sums and their order are those it would have alone. */
-static void attend_rows(const char *q, int64_t q_rs, const char *kc, const char *vc, char *out, int64_t out_rs,
+static inline __attribute__((always_inline)) void attend_rows(const char *q, int64_t q_rs, const char *kc, const char *vc, char *out, int64_t out_rs,
                         const int64_t *pos, int64_t nr, int64_t G, int64_t D, float scale, int es) {
     int64_t nv = D / 16, Q = nr * G, last = 0;
     v16 qv[MAX_Q][16], acc[MAX_Q][16];
-    float m[MAX_Q], l[MAX_Q], s[MAX_Q][KEY_BLOCK];
+    float m[MAX_Q], s[MAX_Q][KEY_BLOCK];
+    v16 l[MAX_Q];
     int64_t qpos[MAX_Q];
     for (int64_t r = 0; r < nr; r++)
         for (int64_t g = 0; g < G; g++) {
@@ -271,14 +277,14 @@ static void attend_rows(const char *q, int64_t q_rs, const char *kc, const char 
                 acc[qi][j] = (v16){0};
             }
             m[qi] = -__builtin_inff();
-            l[qi] = 0.0f;
+            l[qi] = (v16){0};
             qpos[qi] = pos[r];
             last = pos[r] > last ? pos[r] : last;
         }
     for (int64_t t0 = 0; t0 <= last; t0 += KEY_BLOCK) {
         int64_t n = last + 1 - t0 < KEY_BLOCK ? last + 1 - t0 : KEY_BLOCK;
         for (int64_t t = 0; t < n; t += 16) { /* scores of 16 keys at a time */
-            v16 part[MAX_Q][16];
+            v8 part[MAX_Q][16];
             for (int64_t u = 0; u < 16; u++) {
                 v16 kv[16];
                 int have = t + u < n;
@@ -286,12 +292,12 @@ static void attend_rows(const char *q, int64_t q_rs, const char *kc, const char 
                     for (int64_t j = 0; j < nv; j++) kv[j] = load16(kc + ((t0 + t + u) * D + j * 16) * es, es);
                 for (int64_t qi = 0; qi < Q; qi++) {
                     if (!have || t0 + t + u > qpos[qi]) { /* past the query's last key: zeros, never read */
-                        part[qi][u] = (v16){0};
+                        part[qi][u] = (v8){0};
                         continue;
                     }
                     v16 d = qv[qi][0] * kv[0];
                     for (int64_t j = 1; j < nv; j++) d += qv[qi][j] * kv[j];
-                    part[qi][u] = d;
+                    part[qi][u] = fold8(d);
                 }
             }
             for (int64_t qi = 0; qi < Q; qi++)
@@ -303,34 +309,50 @@ static void attend_rows(const char *q, int64_t q_rs, const char *kc, const char 
         for (int64_t qi = 0; qi < Q; qi++) {
             int64_t nq = qpos[qi] + 1 - t0 < n ? qpos[qi] + 1 - t0 : n; /* the query's keys in this block */
             if (nq <= 0) continue;
+            v16 mx = (v16){0} - __builtin_inff(); /* the block's maximum, 16 lanes at a time (max is exact) */
+            for (int64_t t = 0; t < nq; t += 16) {
+                v16 x = *(const v16 *)&s[qi][t];
+                i32x16 take = (x > mx) & (LANES < (float)(nq - t));
+                mx = (v16)(((i32x16)x & take) | ((i32x16)mx & ~take));
+            }
             float bm = m[qi];
-            for (int64_t t = 0; t < nq; t++) bm = s[qi][t] > bm ? s[qi][t] : bm;
+            for (int j = 0; j < 16; j++) bm = mx[j] > bm ? mx[j] : bm;
             if (bm > m[qi]) { /* rescale what the earlier blocks summed */
                 float f = m[qi] == -__builtin_inff() ? 0.0f : exp16((v16){0} + (m[qi] - bm))[0];
                 l[qi] *= f;
                 for (int64_t j = 0; j < nv; j++) acc[qi][j] *= f;
                 m[qi] = bm;
             }
-            for (int64_t t = 0; t < nq; t += 16) {
-                v16 x;
-                for (int j = 0; j < 16; j++) x[j] = t + j < nq ? s[qi][t + j] - bm : -1000.0f;
+            for (int64_t t = 0; t < nq; t += 16) { /* p = e^(s - max); lanes past the last key give exactly 0 */
+                i32x16 in = LANES < (float)(nq - t);
+                v16 x = (v16)(((i32x16)(*(const v16 *)&s[qi][t] - bm) & in) | ((i32x16)((v16){0} - 1000.0f) & ~in));
                 v16 e = exp16(x);
-                for (int j = 0; j < 16 && t + j < nq; j++) s[qi][t + j] = e[j];
+                __builtin_memcpy(&s[qi][t], &e, 64);
+                l[qi] += e; /* lane j sums keys j, j + 16, ... in order */
             }
-            for (int64_t t = 0; t < nq; t++) l[qi] += s[qi][t];
         }
-        for (int64_t t = 0; t < n; t++) {
-            v16 vv[16];
-            for (int64_t j = 0; j < nv; j++) vv[j] = load16(vc + ((t0 + t) * D + j * 16) * es, es);
-            for (int64_t qi = 0; qi < Q; qi++) {
-                if (t0 + t > qpos[qi]) continue;
-                float p = s[qi][t];
-                for (int64_t j = 0; j < nv; j++) acc[qi][j] += p * vv[j];
+        for (int64_t q0 = 0; q0 < Q; q0 += 4) { /* 4 queries' accumulators in registers, sharing each value load */
+            int64_t qn = Q - q0 < 4 ? Q - q0 : 4;
+            v16 a[4][16];
+            for (int64_t qq = 0; qq < qn; qq++)
+                for (int64_t j = 0; j < nv; j++) a[qq][j] = acc[q0 + qq][j];
+            for (int64_t t = 0; t < n; t++) {
+                v16 vv[16];
+                for (int64_t j = 0; j < nv; j++) vv[j] = load16(vc + ((t0 + t) * D + j * 16) * es, es);
+                for (int64_t qq = 0; qq < qn; qq++) {
+                    if (t0 + t > qpos[q0 + qq]) continue;
+                    float p = s[q0 + qq][t];
+                    for (int64_t j = 0; j < nv; j++) a[qq][j] += p * vv[j];
+                }
             }
+            for (int64_t qq = 0; qq < qn; qq++)
+                for (int64_t j = 0; j < nv; j++) acc[q0 + qq][j] = a[qq][j];
         }
     }
     for (int64_t qi = 0; qi < Q; qi++) {
-        float inv = 1.0f / l[qi];
+        float sum = 0.0f;
+        for (int j = 0; j < 16; j++) sum += l[qi][j];
+        float inv = 1.0f / sum;
         char *o_row = out + ((qi / G) * out_rs + (qi % G) * D) * es;
         for (int64_t j = 0; j < nv; j++) {
             v16 o = acc[qi][j] * inv;
@@ -342,6 +364,27 @@ static void attend_rows(const char *q, int64_t q_rs, const char *kc, const char 
             }
         }
     }
+}
+
+/* Copies of attend_rows with the head size and storage fixed at compile time (the common models), so its
+ * loops unroll and its loads do not branch; the same arithmetic in the same order as the generic one. */
+#define ATTEND_FIXED(NAME, DD, ES)                                                                            \
+    static void NAME(const char *q, int64_t q_rs, const char *kc, const char *vc, char *out, int64_t out_rs,  \
+                     const int64_t *pos, int64_t nr, int64_t G, float scale) {                                \
+        attend_rows(q, q_rs, kc, vc, out, out_rs, pos, nr, G, DD, scale, ES);                                 \
+    }
+ATTEND_FIXED(attend_64_f32, 64, 4)
+ATTEND_FIXED(attend_64_bf16, 64, 2)
+ATTEND_FIXED(attend_128_f32, 128, 4)
+ATTEND_FIXED(attend_128_bf16, 128, 2)
+
+static void attend_any(const char *q, int64_t q_rs, const char *kc, const char *vc, char *out, int64_t out_rs,
+                       const int64_t *pos, int64_t nr, int64_t G, int64_t D, float scale, int es) {
+    if (D == 64 && es == 4) attend_64_f32(q, q_rs, kc, vc, out, out_rs, pos, nr, G, scale);
+    else if (D == 64) attend_64_bf16(q, q_rs, kc, vc, out, out_rs, pos, nr, G, scale);
+    else if (D == 128 && es == 4) attend_128_f32(q, q_rs, kc, vc, out, out_rs, pos, nr, G, scale);
+    else if (D == 128) attend_128_bf16(q, q_rs, kc, vc, out, out_rs, pos, nr, G, scale);
+    else attend_rows(q, q_rs, kc, vc, out, out_rs, pos, nr, G, D, scale, es);
 }
 
 int spin_attention_max_head_dim(void) { return 256; }
@@ -371,7 +414,7 @@ int spin_attention(const void *q, int64_t q_rs, const void *k_new, int64_t k_rs,
 #pragma omp parallel for schedule(dynamic, 1) if (nc * KV > 1)
     for (int64_t task = 0; task < nc * KV; task++) {
         int64_t c = task / KV, h = task % KV, i = chunk[c], base = slot[i] * slot_size + h * head;
-        attend_rows((const char *)q + (i * q_rs + h * G * D) * es, q_rs, (const char *)kc + base,
+        attend_any((const char *)q + (i * q_rs + h * G * D) * es, q_rs, (const char *)kc + base,
                     (const char *)vc + base, (char *)out + (i * H + h * G) * D * es, H * D, pos + i,
                     chunk[c + 1] - i, G, D, scale, es);
     }
@@ -420,7 +463,7 @@ int64_t spin_decoder_scratch(int64_t N, int64_t C, int64_t H, int64_t D, int64_t
  * [N, D] float32 per row (see apply_rope in llama.py); cache_k / cache_v [layers, slots, KV, max_len, D]
  * with layer_bytes between layers; scratch of spin_decoder_scratch(...) bytes. Returns 0, or -1 when out
  * of memory. */
-int spin_decoder(float *h, int64_t N, const spin_layer_t *layers, int64_t L, const int64_t *slot,
+static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, const spin_layer_t *layers, int64_t L, const int64_t *slot,
                  const int64_t *pos, const float *cos, const float *sin_signed, int64_t C, int64_t H, int64_t KV,
                  int64_t D, int64_t I, int64_t max_len, float eps, int es, char *cache_k, char *cache_v,
                  int64_t layer_bytes, char *scratch) {
@@ -477,4 +520,16 @@ int spin_decoder(float *h, int64_t N, const spin_layer_t *layers, int64_t L, con
             for (int64_t c = 0; c < C; c++) h[m * C + c] += load1(y, m * Cp + c, es);
     }
     return 0;
+}
+
+/* The storage size fixed at compile time in each copy, so the per-element loads and stores do not branch. */
+int spin_decoder(float *h, int64_t N, const spin_layer_t *layers, int64_t L, const int64_t *slot,
+                 const int64_t *pos, const float *cos, const float *sin_signed, int64_t C, int64_t H, int64_t KV,
+                 int64_t D, int64_t I, int64_t max_len, float eps, int es, char *cache_k, char *cache_v,
+                 int64_t layer_bytes, char *scratch) {
+    if (es == 4)
+        return decoder(h, N, layers, L, slot, pos, cos, sin_signed, C, H, KV, D, I, max_len, eps, 4, cache_k, cache_v,
+                       layer_bytes, scratch);
+    return decoder(h, N, layers, L, slot, pos, cos, sin_signed, C, H, KV, D, I, max_len, eps, 2, cache_k, cache_v,
+                   layer_bytes, scratch);
 }
