@@ -294,3 +294,19 @@ def test_a_rows_hidden_state_does_not_depend_on_its_batch(lib, tiny_dir):
     mixed = model.hidden(torch.cat((other[:3], nxt, other[3:])), Segments.build([(0, 3, 0), (1, 4, 12), (3, 3, 0)]), b)
     for i in range(4):
         assert torch.equal(mixed[3 + i], alone[i]), i
+
+
+def test_a_new_source_replaces_this_machines_old_build(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPIN_BATCH_CACHE", str(tmp_path))
+    folder = tmp_path / "cpu_gemm"
+    folder.mkdir()
+    (folder / "cpu_gemm-0123456789abcdef.so").write_bytes(b"old naming scheme")
+    (folder / "cpu_gemm-othermachine0-0123456789ab.so").write_bytes(b"another kind of CPU")
+    first = cpu_gemm._build("cc")
+    source = tmp_path / "cpu_gemm.c"
+    source.write_text(cpu_gemm.SOURCE.read_text() + "\n/* a newer version */\n")
+    monkeypatch.setattr(cpu_gemm, "SOURCE", source)
+    second = cpu_gemm._build("cc")
+    assert second != first and second.exists() and not first.exists()
+    assert sorted(p.name for p in folder.glob("*.so")) == sorted([second.name, "cpu_gemm-othermachine0-0123456789ab.so"])
+    assert cpu_gemm._build("cc") == second  # cached: no rebuild, nothing removed

@@ -65,18 +65,33 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
+    """The library for this kind of machine and this source, compiled once into the cache.
+
+    Named cpu_gemm-<machine key>-<source key>.so: a build for a new source removes this machine kind's
+    builds of older sources (a process that has one loaded keeps its mapping), so they do not pile up
+    over upgrades, while other kinds of CPU sharing the cache keep theirs.
+    """
     from .loader import cache_root, cached_file
 
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode(),
-                                     _cpu_flags().encode(), compiler.encode()])).hexdigest()[:16]
+    def digest(*parts: bytes) -> str:
+        return hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
+
+    machine = digest(" ".join(FLAGS).encode(), platform.machine().encode(), _cpu_flags().encode(), compiler.encode())
+    folder = cache_root() / "cpu_gemm"
+    out = folder / f"cpu_gemm-{machine}-{digest(SOURCE.read_bytes())}.so"
 
     def compile_to(tmp: Path) -> None:
         res = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
                              timeout=300)
         if res.returncode != 0:
             raise CpuGemmUnavailable(f"{compiler} failed: {res.stderr.strip()[-2000:]}")
+        stale = [p for p in folder.glob(f"cpu_gemm-{machine}-*.so") if p != out]
+        stale += [p for p in folder.glob("cpu_gemm-*.so") if p.name.count("-") == 1]  # names before this scheme
+        for p in stale:
+            for f in (p, p.with_name(f".{p.name}.lock")):
+                f.unlink(missing_ok=True)
 
-    return cached_file(cache_root() / "cpu_gemm" / f"cpu_gemm-{key}.so", compile_to)
+    return cached_file(out, compile_to)
 
 
 def library() -> ctypes.CDLL | None:
