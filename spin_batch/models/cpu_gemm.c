@@ -1,4 +1,8 @@
-/* Float32 y = x @ w^T on CPU for the decode loop's batch sizes, built once per machine by cpu_gemm.py.
+/* The decode loop's CPU kernels, built once per kind of machine by cpu_gemm.py: float32 and bfloat16 panel
+ * GEMMs, the RMS norm, attention over the per-slot KV cache, and spin_decoder (all decoder layers of a
+ * forward in one call). Every result of a row is computed alone, in a fixed order (see each part).
+ *
+ * Float32 y = x @ w^T for the decode loop's batch sizes.
  *
  * w is stored in panels of 16 output rows, k-major inside a panel: wp[o / 16][k][o % 16]. One call
  * streams every panel once. A micro-kernel takes two panels (32 outputs) and up to MR rows of x,
@@ -48,8 +52,6 @@ MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8) MICRO(9)
 typedef void (*micro_t)(const float *, const float *, float *, int64_t, int64_t, int64_t);
 static const micro_t MICROS[13] = {0,       micro_1, micro_2, micro_3, micro_4,  micro_5, micro_6,
                                    micro_7, micro_8, micro_9, micro_10, micro_11, micro_12};
-
-int spin_gemm_version(void) { return 2; }
 
 /* w [O, K] row-major -> wp [Op / 16][K][16], Op a multiple of 32 >= O; rows O..Op-1 are zero. */
 void spin_gemm_pack(const float *w, float *wp, int64_t O, int64_t K, int64_t Op) {
@@ -435,8 +437,11 @@ typedef struct {
     const float *attn_norm, *mlp_norm;          /* [C] float32 */
     const void *qkv, *o, *gate_up, *down;       /* packed by spin_gemm_pack or spin_gemm_pack_bf16 */
     const void *qkv_bias;                       /* [(H + 2 KV) D] in the weights' dtype, or NULL */
-    int64_t qkv_out, gate_up_out;               /* padded output widths (multiples of 32) */
 } spin_layer_t;
+
+typedef struct { /* the packed weights' padded output widths, the same in every layer */
+    int64_t qkv, gate_up, out; /* out: of o and down (the hidden size, padded) */
+} spin_widths_t;
 
 static inline float load1(const void *p, int64_t i, int es) {
     if (es == 4) return ((const float *)p)[i];
@@ -454,9 +459,14 @@ static void gemm(const void *x, const void *wp, void *y, int64_t M, int64_t Op, 
         spin_gemm_bf16((const uint16_t *)x, (const uint16_t *)wp, (uint16_t *)y, M, Op, K);
 }
 
-int64_t spin_decoder_scratch(int64_t N, int64_t C, int64_t H, int64_t D, int64_t I, int64_t qkv_w, int64_t gu_w,
-                             int es) {
-    return N * ((C > I ? C : I) + qkv_w + H * D + gu_w + (C + 31) / 32 * 32) * es;
+int64_t spin_decoder_scratch(int64_t N, int64_t C, int64_t H, int64_t D, int64_t I, const spin_widths_t *w, int es) {
+    return N * ((C > I ? C : I) + w->qkv + H * D + w->gate_up + w->out) * es;
+}
+
+/* h [N, C] += y [N, Cp] (the weights' dtype; its first C columns) */
+static inline void add_rows(float *h, const void *y, int64_t N, int64_t C, int64_t Cp, int es) {
+    for (int64_t m = 0; m < N; m++)
+        for (int64_t c = 0; c < C; c++) h[m * C + c] += load1(y, m * Cp + c, es);
 }
 
 /* h [N, C] float32 residual, updated in place through layers 0..L-1; slot / pos [N]; cos / sin_signed
@@ -465,10 +475,10 @@ int64_t spin_decoder_scratch(int64_t N, int64_t C, int64_t H, int64_t D, int64_t
  * of memory. */
 static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, const spin_layer_t *layers, int64_t L, const int64_t *slot,
                  const int64_t *pos, const float *cos, const float *sin_signed, int64_t C, int64_t H, int64_t KV,
-                 int64_t D, int64_t I, int64_t max_len, float eps, int es, char *cache_k, char *cache_v,
-                 int64_t layer_bytes, char *scratch) {
+                 int64_t D, int64_t I, const spin_widths_t *w, int64_t max_len, float eps, int es, char *cache_k,
+                 char *cache_v, int64_t layer_bytes, char *scratch) {
     int64_t QKV = (H + 2 * KV) * D, half = D / 2, widest = C > I ? C : I;
-    int64_t qkv_w = layers[0].qkv_out, gu_w = layers[0].gate_up_out, Cp = (C + 31) / 32 * 32;
+    int64_t qkv_w = w->qkv, gu_w = w->gate_up, Cp = w->out;
     void *xn = scratch;                                     /* [N, max(C, I)] norm output, SiLU output */
     void *qkv = (char *)xn + N * widest * es;               /* [N, qkv_w] */
     void *att = (char *)qkv + N * qkv_w * es;               /* [N, H D] */
@@ -480,7 +490,7 @@ static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, co
         gemm(xn, lw->qkv, qkv, N, qkv_w, C, es);
 #pragma omp parallel for schedule(static) if (N >= 16)
         for (int64_t m = 0; m < N; m++) { /* bias, then rotary embedding of the H + KV q/k heads */
-            float x[256 * 2];
+            float x[256];
             if (lw->qkv_bias)
                 for (int64_t c = 0; c < QKV; c++)
                     store1(qkv, m * qkv_w + c, load1(qkv, m * qkv_w + c, es) + load1(lw->qkv_bias, c, es), es);
@@ -496,8 +506,7 @@ static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, co
                            qkv_w, cache_k + li * layer_bytes, cache_v + li * layer_bytes, att, slot, pos, N, H, KV, D, max_len, es))
             return -1;
         gemm(att, lw->o, y, N, Cp, H * D, es);
-        for (int64_t m = 0; m < N; m++)
-            for (int64_t c = 0; c < C; c++) h[m * C + c] += load1(y, m * Cp + c, es);
+        add_rows(h, y, N, C, Cp, es);
         norm_rows(h, lw->mlp_norm, xn, N, C, eps, es);
         gemm(xn, lw->gate_up, gu, N, gu_w, C, es);
 #pragma omp parallel for schedule(static) if (N >= 16)
@@ -516,8 +525,7 @@ static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, co
                 for (int j = 0; j < n; j++) store1(xn, m * I + c0 + j, r[j], es);
             }
         gemm(xn, lw->down, y, N, Cp, I, es);
-        for (int64_t m = 0; m < N; m++)
-            for (int64_t c = 0; c < C; c++) h[m * C + c] += load1(y, m * Cp + c, es);
+        add_rows(h, y, N, C, Cp, es);
     }
     return 0;
 }
@@ -525,11 +533,11 @@ static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, co
 /* The storage size fixed at compile time in each copy, so the per-element loads and stores do not branch. */
 int spin_decoder(float *h, int64_t N, const spin_layer_t *layers, int64_t L, const int64_t *slot,
                  const int64_t *pos, const float *cos, const float *sin_signed, int64_t C, int64_t H, int64_t KV,
-                 int64_t D, int64_t I, int64_t max_len, float eps, int es, char *cache_k, char *cache_v,
-                 int64_t layer_bytes, char *scratch) {
+                 int64_t D, int64_t I, const spin_widths_t *w, int64_t max_len, float eps, int es, char *cache_k,
+                 char *cache_v, int64_t layer_bytes, char *scratch) {
     if (es == 4)
-        return decoder(h, N, layers, L, slot, pos, cos, sin_signed, C, H, KV, D, I, max_len, eps, 4, cache_k, cache_v,
-                       layer_bytes, scratch);
-    return decoder(h, N, layers, L, slot, pos, cos, sin_signed, C, H, KV, D, I, max_len, eps, 2, cache_k, cache_v,
+        return decoder(h, N, layers, L, slot, pos, cos, sin_signed, C, H, KV, D, I, w, max_len, eps, 4, cache_k,
+                       cache_v, layer_bytes, scratch);
+    return decoder(h, N, layers, L, slot, pos, cos, sin_signed, C, H, KV, D, I, w, max_len, eps, 2, cache_k, cache_v,
                    layer_bytes, scratch);
 }

@@ -119,10 +119,11 @@ def library() -> ctypes.CDLL | None:
         lib.spin_attention_max_head_dim.restype = ctypes.c_int
         lib.spin_attention.restype = ctypes.c_int
         lib.spin_decoder.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-                                     + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
-                                     + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_void_p])
+                                     + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int64]
+                                     + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 2
+                                     + [ctypes.c_int64, ctypes.c_void_p])
         lib.spin_decoder.restype = ctypes.c_int
-        lib.spin_decoder_scratch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int]
+        lib.spin_decoder_scratch.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int]
         lib.spin_decoder_scratch.restype = ctypes.c_int64
         for fn in (lib.spin_gemm_pack, lib.spin_gemm, lib.spin_gemm_pack_bf16, lib.spin_gemm_bf16, lib.spin_rms_norm):
             fn.restype = None
@@ -224,7 +225,11 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", ctypes.c_void_p),
                 ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
-                ("qkv_bias", ctypes.c_void_p), ("qkv_out", ctypes.c_int64), ("gate_up_out", ctypes.c_int64)]
+                ("qkv_bias", ctypes.c_void_p)]
+
+
+class _Widths(ctypes.Structure):
+    _fields_ = [("qkv", ctypes.c_int64), ("gate_up", ctypes.c_int64), ("out", ctypes.c_int64)]
 
 
 class Decoder:
@@ -240,8 +245,8 @@ class Decoder:
         self.H, self.KV, self.D, self.I, self.eps = heads, kv_heads, head_dim, intermediate, eps
         self.dtype = layers[0].qkv.panel.dtype
         self.es = ATTENTION_DTYPES[self.dtype]
-        self.hidden = layers[0].o.panel.out_features
-        self.qkv_w, self.gu_w = layers[0].qkv.panel.padded, layers[0].gate_up.panel.padded
+        first = layers[0]
+        self.widths = _Widths(first.qkv.panel.padded, first.gate_up.panel.padded, first.o.panel.padded)
         self._keep = []  # contiguous copies the structs point at
         self.layers = (_Layer * len(layers))()
         for st, lw in zip(self.layers, layers):
@@ -252,14 +257,16 @@ class Decoder:
             st.qkv, st.o = lw.qkv.panel.packed.data_ptr(), lw.o.panel.packed.data_ptr()
             st.gate_up, st.down = lw.gate_up.panel.packed.data_ptr(), lw.down.panel.packed.data_ptr()
             st.qkv_bias = None if bias is None else bias.data_ptr()
-            st.qkv_out, st.gate_up_out = self.qkv_w, self.gu_w
 
     @staticmethod
     def applies(lib: ctypes.CDLL, layers, dtype: torch.dtype) -> bool:
-        """All four linears of every layer on the panel GEMM in the model's dtype, one shape for all."""
+        """All four linears of every layer on the panel GEMM in the model's dtype, one shape for all (o
+        and down both give the hidden size, so their padded widths agree)."""
         if not layers or dtype not in ATTENTION_DTYPES:
             return False
         first = layers[0]
+        if first.o.panel is None or first.down.panel is None or first.o.panel.padded != first.down.panel.padded:
+            return False
         for lw in layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 lin, ref = getattr(lw, name), getattr(first, name)
@@ -283,12 +290,12 @@ class Decoder:
             raise ValueError("spin_decoder: slot and pos must be [N] contiguous int64")
         if N == 0:
             return h
-        scratch = torch.empty(self.lib.spin_decoder_scratch(N, C, self.H, self.D, self.I, self.qkv_w, self.gu_w,
+        scratch = torch.empty(self.lib.spin_decoder_scratch(N, C, self.H, self.D, self.I, ctypes.byref(self.widths),
                                                             self.es), dtype=torch.uint8)
         layer_bytes = cache_k.stride(0) * cache_k.element_size()
         if self.lib.spin_decoder(h.data_ptr(), N, self.layers, num_layers, slot.data_ptr(), pos.data_ptr(),
                                  cos.data_ptr(), sin_signed.data_ptr(), C, self.H, self.KV, self.D, self.I,
-                                 cache_k.shape[3], self.eps, self.es, cache_k.data_ptr(), cache_v.data_ptr(),
+                                 ctypes.byref(self.widths), cache_k.shape[3], self.eps, self.es, cache_k.data_ptr(), cache_v.data_ptr(),
                                  layer_bytes, scratch.data_ptr()):
             raise MemoryError("spin_decoder: out of memory")
         return h
