@@ -7,10 +7,17 @@ path (config.json + safetensors + tokenizer files) runs in every test.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton fixes at decoration time whether a kernel is compiled or interpreted. Without a GPU only the
+# interpreter runs, and it must be chosen before anything imports triton (transformers or torch may),
+# whichever test file runs first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
