@@ -405,3 +405,39 @@ def test_an_optimistic_favourite_that_does_not_pay_yields_to_the_best_at_the_mea
                         verify_price=0.3, lam=100.0)
     drafter, gamma = joint.solve()[0]
     assert drafter == "known" and gamma > 0
+
+
+def test_the_drain_values_a_step_by_its_slowest_slot():
+    """Once nothing is left to admit, the job ends with its last request, so a step that drafts for the
+    good slot only (the steady-state choice) shortens nothing: the drain drafts for both or for neither."""
+    from spin_batch.engine.bandit import JointChoice
+
+    def joint(means):
+        return JointChoice(caps=[4] * len(means), rates=[{"d": m} for m in means], means=[{"d": m} for m in means],
+                           coeffs={"d": (0.0, 0.0)}, goes_on={"d": None}, verify_price=0.3, lam=100.0)
+
+    mixed = joint([0.9, 0.05])
+    picks = mixed.solve()
+    assert picks[0][1] > 0 and picks[1] == (None, 0)  # steady state: the good slot drafts alone
+    assert mixed.drain_value(picks) < mixed.n  # ... which in the drain is worth less than plain decoding
+    assert mixed.drain_bound() <= mixed.n  # and the bound says so before solving
+    both = joint([0.9, 0.85])
+    picks = both.solve()
+    assert all(g > 0 for _, g in picks)
+    assert both.drain_value(picks) > both.n < both.drain_bound()
+    for j in (mixed, both):  # the bound holds for any choice that drafts for every slot (else V <= n)
+        for p in ([("d", 1), ("d", 1)], [("d", 4), ("d", 2)], [("d", 4), ("d", 4)]):
+            assert j.drain_value(p) <= j.drain_bound() + 1e-9
+        assert j.drain_value([("d", 4), (None, 0)]) < j.n
+
+
+def test_the_drain_stops_drafting_unless_every_slot_pays():
+    world = World({"d": 0.85}, {"d": 0.0005}, c0=0.03, c1=0.001, seed=0)
+    policy = BanditPolicy(["d"], max_gamma=4, seed=0, backoff=False)
+    run_requests(policy, world, n_requests=4, steps_per_request=20, slots=2)
+    policy.requests[1].arms["d"] = Beta(0.5, 20.0)  # slot 1's request turned out hard to draft for
+    policy.gamma_exploration = 0.0
+    assert policy.choose([0, 1], [8, 8])[0].gamma > 0  # steady state: slot 0 still drafts
+    policy.on_drain()
+    assert all(c.gamma == 0 for c in policy.choose([0, 1], [8, 8]))
+    assert policy.choose([0], [8])[0].gamma > 0  # the last request alone: its drafts shorten the job

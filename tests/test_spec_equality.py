@@ -232,6 +232,38 @@ def test_small_token_budget_chunks_prefill(target, reference):
     assert run(loop) == reference
 
 
+class DrainWatch(NoSpeculation):
+    """Plain decoding that records, at on_drain, how many requests were admitted and steps run."""
+
+    def __init__(self):
+        self.admitted = 0
+        self.steps = lambda: 0  # set to the loop's step counter
+        self.drains: list[tuple[int, int]] = []
+
+    def on_admit(self, slot: int, req_id: str | None = None) -> None:
+        self.admitted += 1
+
+    def on_drain(self) -> None:
+        self.drains.append((self.admitted, self.steps()))
+
+
+@pytest.mark.parametrize("slots", [3, len(PROMPTS)])
+def test_the_policy_hears_of_the_drain_as_the_last_request_is_admitted(target, reference, slots):
+    """The loop reads one request past a full batch, so the policy learns the stream is done as soon as
+    its last request is in a slot (with as many slots as requests: before the first step), and the
+    request read ahead is neither lost nor run twice."""
+    policy = DrainWatch()
+    loop = make_loop(target, slots, policy)
+    policy.steps = lambda: int(loop.stats.totals["steps"])
+    assert run(loop) == reference
+    assert len(policy.drains) == 1
+    admitted, steps = policy.drains[0]
+    assert admitted == len(PROMPTS)
+    if slots == len(PROMPTS):
+        assert steps == 0
+    else:
+        assert 0 < steps < policy.steps()
+
 def test_ngram_lookup():
     assert lookup([1, 2, 3, 9, 1, 2], gamma=3, min_ngram=1, max_ngram=3) == [3, 9, 1]
     assert lookup([5, 6, 7], gamma=2, min_ngram=1, max_ngram=3) == []

@@ -29,6 +29,14 @@ E(g, c) - c^g draft positions (the position the gate stopped at was drafted too)
 Warm start: new requests start from the pooled posterior of all requests so far, scaled
 down to a few pseudo-observations, so short requests do not pay for exploration.
 
+Drain: once the request stream is done (Policy.on_drain), a token no longer frees a slot for
+the next request, and the job ends when its last request does. Any running request may be that
+one, so a step shortens the job only by the progress of its slowest slot: the drain values the
+joint choice at n times the least expected gain among its n slots instead of the sum of their
+gains (JointChoice.drain_value), and the step drafts nothing unless that beats plain decoding.
+A step that leaves any slot undrafted thus gains the job nothing and only pays for its drafts;
+speculation goes on where every slot's draft pays, as in the last few requests of a job.
+
 Back-off (StepGate): the cost model prices what it models, not all a speculating step spends
 (selection itself, a drafter catching up on the tokens it skipped, bookkeeping per draft, and
 whatever the fitted lines miss). So the batch also keeps score of the outcome: per batch size,
@@ -49,6 +57,7 @@ PRIOR_STRENGTH = 6.0  # pseudo-tokens a warm start is worth
 DEFAULT_RATE = 0.3  # prior acceptance before anything was pooled
 JOINT_PASSES = 3  # best-response passes over the batch (JointChoice)
 DECODE_FIT_STEPS = 4.0  # decayed weight of decode steps the verify fit needs before it drops prefill steps
+DRAIN_RECHECK = 16  # steps the drain keeps a verdict against drafting while its slots stay the same
 GATE_WARMUP = 8  # scored speculating steps a batch size runs before plain decoding is tried
 GATE_REFRESH = 16  # the mode behind runs a burst once in this many steps (or up to 4x as many), so it can win back
 GATE_BURST = 3  # steps in that burst: the first one pays the switch and is not scored
@@ -398,6 +407,26 @@ class JointChoice:
                 picks, value, everyone = trial, trial_value, allowed
         return picks
 
+    def drain_bound(self) -> float:
+        """An upper bound on drain_value over the choices that draft for every slot (any other is worth at
+        most n): each slot gains its best, for at least one priced token of the cheapest drafter. At or under
+        n, solve() is not worth running in the drain."""
+        best = min(max(expected_gain(cap, a) for a in means.values()) for cap, means in zip(self.caps, self.means))
+        least = min(self.verify_price * spend[1][0] for spend in self.spend.values())
+        return self.n * (best - least)
+
+    def drain_value(self, picks: list[tuple[str | None, int]]) -> float:
+        """V in the drain, at the posterior means: n times the least slot's expected gain, less the prices.
+
+        Compare with n (every slot decoding plainly, worth one token each).
+        """
+        gains = [1.0 if d is None else expected_gain(g, self.means[k][d]) for k, (d, g) in enumerate(picks)]
+        prices = sum(gain - (1.0 if d is None else chain_value(g, self.means[k][d], self.verify_price,
+                                                                self.lam * self.coeffs[d][1], self.spend[d][g]))
+                     for k, ((d, g), gain) in enumerate(zip(picks, gains)))
+        prices += sum(self.lam * self.coeffs[d][0] * depth for d, depth in self._depths(picks).items())
+        return self.n * min(gains) - prices
+
     def _settle(self, picks: list[tuple[str | None, int]], allowed: set[str]) -> list[tuple[str | None, int]]:
         picks = list(picks)
         for _ in range(JOINT_PASSES):
@@ -502,6 +531,13 @@ class BanditPolicy(Policy):
         self._slot_drafter: dict[int, str | None] = {}  # mode `assigned`: the drafter of each slot's request
         self.gate = StepGate() if self.backoff and self.mode in ("ucb", "thompson") else None
         self._step: tuple[int, bool] | None = None  # (decoding slots, speculated) of the step being run
+        self.draining = False  # the request stream is done (on_drain): see the module docstring
+        # the drain's last verdict against drafting: the slots it covered, and steps since. In the drain
+        # nothing is learnt while nothing drafts, so the verdict stands until a slot leaves (or a while).
+        self._drain_no: tuple[frozenset[int], int] | None = None
+
+    def on_drain(self) -> None:
+        self.draining = True
 
     # -- per-request state ----------------------------------------------------------------
 
@@ -534,8 +570,10 @@ class BanditPolicy(Policy):
                 return [NO_SPEC] * len(slots)
         # a drafter whose cost is still unknown is tried by one slot, with a short draft: trying
         # it on every slot at once could stall the whole batch behind an expensive drafter
-        unmeasured = [d for d in self.drafters if not self.cost.measured(d)]
-        explorer = self.rng.randrange(len(slots)) if slots and self.rng.random() < self.gamma_exploration else -1
+        # (not in the drain: a step that drafts for one slot only makes the job no shorter)
+        unmeasured = [] if self.draining else [d for d in self.drafters if not self.cost.measured(d)]
+        explore = not self.draining and slots and self.rng.random() < self.gamma_exploration
+        explorer = self.rng.randrange(len(slots)) if explore else -1
         out: list[Choice] = [NO_SPEC] * len(slots)
         open_: list[tuple[int, RequestArms, int]] = []  # (index, request, cap) the bandit decides jointly
         for i, (s, cap) in enumerate(zip(slots, caps)):
@@ -549,7 +587,7 @@ class BanditPolicy(Policy):
                 out[i] = Choice(unmeasured.pop(0), min(2, cap))
             elif cap > 0 and self.cost.goodput.seen:
                 open_.append((i, req, cap))
-        for i, choice in self._joint(open_, verify_price, lam).items():
+        for i, choice in self._drained(slots, open_, verify_price, lam).items():
             out[i] = choice
         cap = next((cap for i, _, cap in open_ if i == explorer), 0)
         if cap:
@@ -559,6 +597,19 @@ class BanditPolicy(Policy):
             if self.cost.measured(name):
                 g = self.rng.randint(0, cap)
                 out[explorer] = Choice(name, g) if g else NO_SPEC  # ungated: the cost model must see N vary
+        return out
+
+    def _drained(self, slots: list[int], open_: list[tuple[int, RequestArms, int]], verify_price: float,
+                 lam: float) -> dict[int, Choice]:
+        """_joint, but in the drain a verdict against drafting is kept for DRAIN_RECHECK steps unless a slot left."""
+        if not self.draining:
+            return self._joint(open_, verify_price, lam)
+        key = frozenset(slots)
+        if self._drain_no is not None and self._drain_no[0] == key and self._drain_no[1] < DRAIN_RECHECK:
+            self._drain_no = (key, self._drain_no[1] + 1)
+            return {}
+        out = self._joint(open_, verify_price, lam)
+        self._drain_no = None if out else (key, 0)
         return out
 
     def _joint(self, open_: list[tuple[int, RequestArms, int]], verify_price: float, lam: float) -> dict[int, Choice]:
@@ -571,7 +622,11 @@ class BanditPolicy(Policy):
             means=[{d: arm.mean for d, arm in req.arms.items()} for _, req, _ in open_],
             coeffs={d: self.cost.draft_coeffs(d) for d in self.drafters},
             goes_on={d: self._goes_on(d) for d in self.drafters}, verify_price=verify_price, lam=lam)
+        if self.draining and joint.drain_bound() <= joint.n:
+            return {}
         picks = joint.solve()
+        if self.draining and joint.drain_value(picks) <= joint.n:
+            return {}
         sharing = Counter(d for d, _ in picks if d is not None)
         return {i: Choice(d, g, self._floor(d, verify_price + lam * self.cost.draft_cost(d, sharing[d])))
                 for (i, _, _), (d, g) in zip(open_, picks) if d is not None}

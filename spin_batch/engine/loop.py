@@ -421,19 +421,26 @@ class BatchLoop:
 
         encode(req) returns the prompt token ids, or raises ValueError for a bad row (which is
         emitted as an error row). When should_stop() turns true, no new request is admitted
-        and the loop returns after the current step; requests in flight are not emitted.
+        and the loop returns after the current step; requests in flight are not emitted (nor
+        the one request read ahead: the loop reads one past a full batch, so that the policy
+        learns at once when nothing is left to admit, see Policy.on_drain).
         """
         stream = iter(requests)
+        held: Request | None = None  # read ahead to learn whether the stream is done; admitted first
         exhausted = False
         while True:
-            while not exhausted and self.free_slots and not should_stop():
-                req = next(stream, None)
+            while not exhausted and not should_stop() and (self.free_slots or held is None):
+                req, held = held or next(stream, None), None
                 if req is None:
                     exhausted = True
+                    self.policy.on_drain()
+                elif not self.free_slots:
+                    held = req  # every slot is busy: the stream has more, so this is no drain yet
                     break
-                row = self._admit_or_error(req, encode)
-                if row is not None:
-                    emit(row)
+                else:
+                    row = self._admit_or_error(req, encode)
+                    if row is not None:
+                        emit(row)
             if not self.active or should_stop():
                 return
             for row in self.step():
