@@ -285,3 +285,29 @@ def test_the_bound_catches_a_gate_that_looks_at_the_drawn_token():
     assert lengths[1] > 0.1 * N_SAMPLES and lengths[2] > 0.1 * N_SAMPLES, lengths
     ok, z = _within_bound(p[1], second)
     assert not ok and z > 2 * SIGMAS, f"the wrong gate was off by only {z:.1f} sigma"
+
+
+def test_sample_draws_from_the_given_distribution_and_never_a_zero_token():
+    """sample() inverts a float64 CDF: frequencies within the bound of p (given unnormalised), no draw
+    of a probability-0 token, and a one-token distribution always gives that token."""
+    from spin_batch.engine.sampling import sample
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.rand(V, generator=g)
+    w[::3] = 0  # every third token impossible
+    p = w / w.sum()
+    gen = torch.Generator().manual_seed(9)
+    counts = torch.zeros(V)
+    for _ in range(N_SAMPLES):
+        counts[sample(w * 7.0, gen)] += 1
+    ok, z = _within_bound(p, counts)
+    assert ok, f"off by {z:.1f} sigma"
+    assert counts[::3].sum() == 0
+    one = torch.zeros(V)
+    one[V - 1] = 0.5
+    assert {sample(one, gen) for _ in range(50)} == {V - 1}
+    # and the bound catches a sampler that is off by one token
+    shifted = torch.zeros(V)
+    for _ in range(N_SAMPLES // 4):
+        shifted[(sample(w, gen) + 1) % V] += 1
+    assert not _within_bound(p, shifted)[0]

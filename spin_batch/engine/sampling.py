@@ -52,8 +52,17 @@ def make_generator(job_seed: int, request_id: str) -> torch.Generator:
 
 
 def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
-    """One draw from a [V] distribution."""
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    """One draw from a [V] distribution (non-negative, not necessarily normalised): the CDF, summed in
+    float64, inverted at one uniform.
+
+    torch.multinomial took 1.4 ms per call on a 49k vocabulary on a 2-core CPU, which made sampled
+    decoding at 32 slots 1.6x slower than greedy; this takes under 0.1 ms. Exact: the token is the
+    first i with cdf[i] > u * cdf[-1], so a token of probability 0 (cdf[i] == cdf[i - 1]) is never drawn.
+    """
+    cdf = probs.double().cumsum(0)
+    u = torch.rand((), generator=gen, dtype=torch.float64).to(cdf.device)
+    i = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True))
+    return i if i < cdf.shape[0] else int(torch.nonzero(probs).max())  # u * total rounded up to total
 
 
 def uniform(gen: torch.Generator) -> float:
