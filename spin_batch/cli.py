@@ -180,10 +180,14 @@ def report(out_dir, png):
 @click.option("--precision", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
               help="Training matmuls: bfloat16 autocast (weights, optimizer and losses stay float32) or float32; "
                    "auto: bfloat16 where the hardware has it natively (about 2.4x faster on an AMX CPU).")
+@click.option("--teacher-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True,
+              help="The target's dtype when it generates and scores the training data; auto: bfloat16 where the "
+                   "hardware has it natively (about 1.5x faster; held-out data is always made in float32).")
 @click.option("--no-progress", is_flag=True)
 def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_tokens, vocab, topk, max_tokens,
             slots, seed, device, save_dtype, plain, feature_weight, no_unroll, samples, sample_temperature,
-            weight_decay, precision, no_progress):
+            weight_decay, precision, teacher_dtype, no_progress):
     """Train a family of small drafts that imitate TARGET, by distillation on its own outputs.
 
     The target generates completions for the prompts (a resumable job under OUT/data), scores
@@ -222,7 +226,7 @@ def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_t
     settings = DistillSettings(
         target=target, prompts=tuple(prompts), out=Path(out_dir), sizes=archs, heldout=tuple(heldout),
         max_tokens=max_tokens, slots=slots, vocab=vocab, topk=topk, device=device, save_dtype=save_dtype,
-        samples=samples, sample_temperature=sample_temperature,
+        samples=samples, sample_temperature=sample_temperature, teacher_dtype=teacher_dtype,
         train=TrainSettings(epochs=epochs, steps=steps, batch_tokens=batch_tokens, lr=lr, seed=seed,
                             features=not plain, feature_weight=feature_weight, unroll=not no_unroll,
                             weight_decay=weight_decay, precision=precision),

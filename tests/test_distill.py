@@ -107,14 +107,15 @@ def test_sampled_completions_add_teacher_contexts(tmp_path, tiny_distilled, tiny
     import shutil
     from dataclasses import replace
 
-    from spin_batch.distill import _teacher
+    from spin_batch.distill import _teacher, teacher_dtype
 
     settings, _ = tiny_distilled
     shutil.copytree(settings.out / "data" / "train", tmp_path / "data" / "train")  # the greedy completions
     parts = sorted((tmp_path / "data" / "train").rglob("part-*.parquet"))
     before = [p.stat().st_mtime_ns for p in parts]
     s = replace(settings, out=tmp_path, samples=2, sample_temperature=1.0)
-    target, tok = load_model(tiny_dir), load_tokenizer(tiny_dir)
+    target = load_model(tiny_dir, teacher_dtype(settings, torch.device("cpu")))  # the dtype the fixture's data has
+    tok = load_tokenizer(tiny_dir)
     fp = fingerprint(tiny_dir)
     greedy = TeacherData.load(settings.out / "data" / "train.pt", _key(settings))
     data = _teacher(s, "train", s.prompts, target, tok, fp, progress=False, samples=2)
@@ -297,6 +298,62 @@ def test_cli_rejects_bad_arguments_before_loading(tmp_path):
 
 
 def _key(settings) -> str:
-    from spin_batch.distill import teacher_key
+    from spin_batch.distill import teacher_dtype, teacher_key
 
-    return teacher_key(settings, settings.prompts, fingerprint(settings.target))
+    return teacher_key(settings, settings.prompts, fingerprint(settings.target),
+                       teacher_dtype(settings, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_teacher_loss_equals_log_softmax_cross_entropy(dtype, monkeypatch):
+    """TeacherCE (chunked, one-pass backward) gives log_softmax + gather's value and gradient, with rows
+    whose teacher ids are all outside the head (no mass) and rows of weight 0 (padding) in the batch."""
+    from spin_batch.distill.train import TeacherCE
+
+    monkeypatch.setattr(TeacherCE, "CHUNK_ELEMS", 3 * 50)  # chunks of 3 rows: a ragged last chunk
+    g = torch.Generator().manual_seed(0)
+    B, T, K, k = 2, 7, 50, 5
+    logits = (torch.randn(B, T, K, generator=g) * 4).to(dtype)
+    tid = torch.randint(0, K, (B, T, k), generator=g)
+    tp = torch.softmax(torch.randn(B, T, k, generator=g), -1)
+    tp[0, 2] = 0  # no teacher id kept here
+    w = torch.rand(B, T, generator=g)
+    w[1, 5:] = 0  # padding
+
+    x1 = logits.clone().requires_grad_()
+    ref = -(tp * torch.log_softmax(x1.float(), -1).gather(-1, tid)).sum(-1)
+    ref = (ref * w).sum() / w.sum()
+    ref.backward()
+    x2 = logits.clone().requires_grad_()
+    got = TeacherCE.apply(x2, tid, tp, w)
+    got.backward()
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert x2.grad.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(x2.grad.float(), x1.grad.float(), atol=tol, rtol=tol)
+    assert x2.grad[0, 2].abs().max() == 0 and x2.grad[1, 5:].abs().max() == 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_teacher_dtype_is_bf16_where_native_and_heldout_stays_float32(native, monkeypatch):
+    from spin_batch.distill import DistillSettings, teacher_dtype
+    from spin_batch.models import loader
+
+    monkeypatch.setattr(loader, "native_bf16", lambda device: native)
+    s = DistillSettings(target="t", prompts=(), out=None, sizes=())
+    assert teacher_dtype(s, torch.device("cpu")) == ("bfloat16" if native else "float32")
+    from dataclasses import replace
+    assert teacher_dtype(replace(s, teacher_dtype="float32"), torch.device("cpu")) == "float32"
+    with pytest.raises(ValueError, match="teacher dtype"):
+        replace(s, teacher_dtype="fp8")
+
+
+def test_the_report_says_which_dtype_made_the_data(tiny_distilled):
+    """The held-out data (what agreement is measured on) is made in float32 whatever the training data's dtype."""
+    from spin_batch.distill import teacher_dtype, teacher_key
+
+    settings, report = tiny_distilled
+    assert report["settings"]["teacher_dtype"] == teacher_dtype(settings, torch.device("cpu"))
+    fp = fingerprint(settings.target)
+    held = settings.out / "data" / "heldout.pt"
+    assert TeacherData.load(held, teacher_key(settings, settings.heldout, fp, "float32")) is not None

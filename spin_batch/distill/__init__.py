@@ -49,14 +49,35 @@ class DistillSettings:
     train: TrainSettings = field(default_factory=TrainSettings)
     samples: int = 0  # sampled completions per training prompt, on top of the greedy one
     sample_temperature: float = 0.8
+    teacher_dtype: str = "auto"  # the target's dtype for the training data; "auto": bfloat16 where native
+
+    def __post_init__(self) -> None:
+        if self.teacher_dtype not in TEACHER_DTYPES:
+            raise ValueError(f"teacher dtype {self.teacher_dtype!r} is not one of {', '.join(TEACHER_DTYPES)}")
 
 
-def teacher_key(s: DistillSettings, prompts: tuple[str, ...], fp: str) -> str:
+TEACHER_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def teacher_dtype(s: DistillSettings, device: torch.device) -> str:
+    """The dtype the target makes the training data in.
+
+    "auto" is bfloat16 where its matmuls are native: the target then generates and scores about
+    1.5x faster, and its top-1 next token agrees with float32's at about 99% of positions (a
+    near-tie can go either way), which is noise next to what a draft gets wrong. The held-out
+    data, which the agreement figures are measured on, is always made in float32.
+    """
+    if s.teacher_dtype != "auto":
+        return s.teacher_dtype
+    return "bfloat16" if loader.native_bf16(device) else "float32"
+
+
+def teacher_key(s: DistillSettings, prompts: tuple[str, ...], fp: str, dtype: str) -> str:
     """What the greedy teacher data depends on (prompt files by content): a rerun with the same key reuses it."""
     from ..io.reader import list_shards
 
     contents = [(str(f), hashlib.sha256(f.read_bytes()).hexdigest()) for f in list_shards(list(prompts))]
-    return data_key(DATA_VERSION, fp, contents, s.max_tokens, s.topk, s.train.seed)
+    return data_key(DATA_VERSION, fp, contents, s.max_tokens, s.topk, s.train.seed, dtype)
 
 
 def sample_key(greedy_key: str, i: int, temperature: float) -> str:
@@ -65,7 +86,7 @@ def sample_key(greedy_key: str, i: int, temperature: float) -> str:
 
 
 def _generate(s: DistillSettings, gen_dir: Path, key: str, prompts: tuple[str, ...], seed: int,
-              temperature: float, progress: bool):
+              temperature: float, dtype: str, progress: bool):
     """One resumable generation job into gen_dir (wiped first if it holds another key's completions)."""
     from ..runner import run_job
 
@@ -74,7 +95,7 @@ def _generate(s: DistillSettings, gen_dir: Path, key: str, prompts: tuple[str, .
         shutil.rmtree(gen_dir)  # completions of other prompts or settings: a resume would mix them up
     gen_dir.mkdir(parents=True, exist_ok=True)
     key_file.write_text(key)
-    job = generation_job(s.target, list(prompts), gen_dir, s.max_tokens, s.slots, seed, s.device, temperature)
+    job = generation_job(s.target, list(prompts), gen_dir, s.max_tokens, s.slots, seed, s.device, temperature, dtype)
     run_job(job, progress=progress, shard_index=0, num_shards=1)  # resumes a killed generation
     return job
 
@@ -86,7 +107,8 @@ def _teacher(s: DistillSettings, name: str, prompts: tuple[str, ...], target, to
     from ..runner import eos_ids, make_encoder
 
     cache_file = s.out / "data" / f"{name}.pt"
-    greedy_key = teacher_key(s, prompts, fp)
+    dtype = next(k for k, v in loader.DTYPES.items() if v == target.dtype)
+    greedy_key = teacher_key(s, prompts, fp, dtype)
     sample_keys = [sample_key(greedy_key, i, s.sample_temperature) for i in range(1, samples + 1)]
     key = data_key(greedy_key, *sample_keys) if samples else greedy_key
     data = TeacherData.load(cache_file, key)
@@ -100,7 +122,7 @@ def _teacher(s: DistillSettings, name: str, prompts: tuple[str, ...], target, to
     runs += [(s.out / "data" / f"{name}-sample{i}", k, s.train.seed + i, s.sample_temperature)
              for i, k in enumerate(sample_keys, start=1)]
     for gen_dir, gen_key, seed, temperature in runs:
-        job = _generate(s, gen_dir, gen_key, prompts, seed, temperature, progress)
+        job = _generate(s, gen_dir, gen_key, prompts, seed, temperature, dtype, progress)
         q, p, k = sequences(job, Path(job.output.dir), tokenizer, make_encoder(tokenizer, job), eos_id)
         seqs, plens, kinds = seqs + q, plens + p, kinds + k
     if not seqs:
@@ -121,9 +143,12 @@ def run_distill(s: DistillSettings, progress: bool = True) -> dict:
     target = loader.load_model(target_dir, "float32", device)
     fp = fingerprint(target_dir)
     s.out.mkdir(parents=True, exist_ok=True)
+    t_dtype = teacher_dtype(s, device)
 
     t0 = time.perf_counter()
-    train_data = _teacher(s, "train", s.prompts, target, tokenizer, fp, progress, s.samples)
+    teacher = target if t_dtype == "float32" else loader.load_model(target_dir, t_dtype, device)
+    train_data = _teacher(s, "train", s.prompts, teacher, tokenizer, fp, progress, s.samples)
+    del teacher
     held = _teacher(s, "heldout", s.heldout, target, tokenizer, fp, progress) if s.heldout else None
     data_s = time.perf_counter() - t0
 
@@ -166,7 +191,7 @@ def run_distill(s: DistillSettings, progress: bool = True) -> dict:
         "data_s": round(data_s, 1),
         "total_s": round(time.perf_counter() - t_start, 1),
         "settings": {"max_tokens": s.max_tokens, "topk": s.topk, "vocab": s.vocab, "samples": s.samples,
-                     "sample_temperature": s.sample_temperature, **asdict(s.train)},
+                     "sample_temperature": s.sample_temperature, "teacher_dtype": t_dtype, **asdict(s.train)},
         "machine": {"device": str(device), "threads": torch.get_num_threads(), "cpu": platform.processor()},
         "drafts": drafts,
     }
@@ -213,7 +238,8 @@ def report_markdown(r: dict) -> str:
     return (f"# Distilled drafts for {r['target']}\n\n"
             f"Trained on {r['train_sequences']} sequences ({r['train_tokens']} tokens); held-out: "
             f"{r['heldout_sequences']} sequences. Target decode step: {target}. Teacher data "
-            f"{r['data_s'] / 60:.1f} min, total {r['total_s'] / 60:.1f} min.\n\n"
+            f"{r['data_s'] / 60:.1f} min (training data made in {r['settings'].get('teacher_dtype', 'float32')}), "
+            f"total {r['total_s'] / 60:.1f} min.\n\n"
             "Cost: one drafted token (one decode step of the draft) relative to one target decode step at the "
             "same slot count. Coverage: the share of the target's held-out next tokens inside the draft's head. "
             "Agreement: teacher-forced top-1 agreement with the target over held-out completion positions, by "

@@ -57,14 +57,14 @@ class TeacherData:
 
 
 def generation_job(target: str, prompts: list[str], out_dir: Path, max_tokens: int, slots: int, seed: int,
-                   device: str, temperature: float = 0.0):
+                   device: str, temperature: float = 0.0, dtype: str = "float32"):
     """The job that makes the target's completions: plain decoding on our runner, greedy unless a
     temperature is given (sampled completions: other contexts from the same prompts)."""
     return parse_job({
         "name": "distill-generate",
         "input": {"paths": list(prompts), "chat_template": "auto"},
         "output": {"dir": str(out_dir)},
-        "target": {"model": target, "dtype": "float32", "device": device},
+        "target": {"model": target, "dtype": dtype, "device": device},
         "spin": {"selector": "none"},
         "batch": {"slots": slots, "max_model_len": 1024},
         "sampling": {"temperature": temperature, "max_tokens": max_tokens, "seed": seed},
@@ -141,7 +141,7 @@ def score(target: LlamaModel, seqs: list[list[int]], topk: int, chunk_tokens: in
         seg = Segments.build([(slot, len(seqs[j]), 0) for slot, j in enumerate(batch)], target.device)
         flat = torch.tensor([t for j in batch for t in seqs[j]], dtype=torch.long, device=target.device)
         logits, hidden = target.forward_with_hidden(flat, seg, cache)
-        logp = torch.log_softmax(logits, dim=-1)  # [N, V]
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
         vals, ids = logp.topk(topk, dim=-1)
         g = normalize(hidden, target.spec.rms_norm_eps).to(torch.float16).cpu()
         for s, j in enumerate(batch):
