@@ -141,6 +141,38 @@ def test_rerun_reuses_the_cached_teacher_data(tiny_distilled, tiny_dir):
     assert TeacherData.load(data_file, "another-key") is None  # other prompts or settings: regenerate
 
 
+def test_second_step_training_sees_the_cache_the_draft_sees_at_inference(tmp_path, tiny_dir):
+    """DraftNet.second_step row r equals the inference draft fed token r with a predicted feature, on a
+    cache whose rows < r were written with the target's features (as the drafter's catch-up writes them)."""
+    target = load_model(tiny_dir)
+    torch.manual_seed(2)
+    vocab_ids = torch.tensor(sorted(torch.randperm(target.spec.vocab_size)[:30].tolist()))
+    net = DraftNet(DraftArch.parse("2x128"), target.embed, target.norm, vocab_ids, target.spec.rope_theta,
+                   reads_features=True).eval()
+    save_draft(net, tmp_path / "d", tiny_dir, fingerprint(tiny_dir), {}, dtype=torch.float32)
+    model = load_draft(tmp_path / "d", target, torch.float32, torch.device("cpu"))
+    T, E = 12, target.spec.hidden_size
+    tokens = torch.randint(0, target.spec.vocab_size, (1, T))
+    feats, predicted = torch.randn(1, T, E), torch.randn(1, T, E)
+    with torch.no_grad():
+        _, _, kvs = net.run(tokens, feats)
+        want, want_g = net.second_step(tokens, predicted, kvs)
+        everything_predicted, _ = net(tokens, predicted)  # what a plain second pass computes instead
+    cache = model.allocate_cache(1, 32)
+
+    def feed(r: int, f: torch.Tensor):
+        h = model.hidden(tokens[0, r : r + 1], Segments.build([(0, 1, r)]), cache, extra=f[0, r : r + 1])
+        return model.feature_head(model.normed(h, model.norm))
+
+    feed(0, feats)
+    got = []
+    for r in range(1, T):
+        got.append(feed(r, predicted)[0])  # the token being drafted reads a predicted feature ...
+        feed(r, feats)  # ... and is rewritten with the target's once it is committed
+    torch.testing.assert_close(torch.cat(got), want[0, 1:], atol=1e-4, rtol=1e-4)
+    assert (everything_predicted[0, 2:] - want[0, 2:]).abs().max() > 1e-2  # the two passes differ
+
+
 @pytest.mark.parametrize("features", [False, True], ids=["plain", "features"])
 def test_inference_model_computes_the_training_function(tmp_path, tiny_dir, features):
     target = load_model(tiny_dir)

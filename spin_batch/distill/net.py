@@ -89,21 +89,37 @@ class _Layer(nn.Module):
         self.up_proj = nn.Linear(C, I, bias=False)
         self.down_proj = nn.Linear(I, C, bias=False)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """h [B, T, C] -> (h, (k, v) of every row).
+
+        past: the (k, v) of a first pass over the same rows. Row r then attends to the first pass's
+        rows < r and to its own row only (see DraftNet.second_step).
+        """
         B, T, _ = h.shape
         x = _rms(h, self.input_layernorm, eps)
         q = self.q_proj(x).view(B, T, self.H, HEAD_DIM).transpose(1, 2)  # [B, H, T, D]
         k = self.k_proj(x).view(B, T, self.KV, HEAD_DIM).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.KV, HEAD_DIM).transpose(1, 2)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if past is None:
+            keys, values, mask = k, v, None
+        else:
+            keys, values = torch.cat((past[0], k), 2), torch.cat((past[1], v.to(past[1].dtype)), 2)
+            q, keys = q.to(values.dtype), keys.to(values.dtype)
+            eye = torch.eye(T, dtype=torch.bool, device=h.device)
+            mask = torch.cat((torch.ones(T, T, dtype=torch.bool, device=h.device).tril(-1), eye), 1)  # [T, 2T]
         if h.device.type == "cpu":  # the math kernel trains 1.3-2x faster than flash on CPU at these shapes
             with sdpa_kernel(SDPBackend.MATH):
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, H, T, D]
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                   enable_gqa=True)  # [B, H, T, D]
         else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=True)
         h = h + self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         x = _rms(h, self.post_attention_layernorm, eps)
-        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), (k, v)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -166,6 +182,13 @@ class DraftNet(nn.Module):
 
     def forward(self, tokens: torch.Tensor, feats: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits, g, _ = self.run(tokens, feats)
+        return logits, g
+
+    def run(self, tokens: torch.Tensor, feats: torch.Tensor | None = None,
+            past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """-> logits, predicted features, and each layer's (k, v) (a second_step needs them)."""
         T = tokens.shape[1]
         freqs = torch.arange(T, dtype=torch.float32, device=tokens.device)[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -174,15 +197,29 @@ class DraftNet(nn.Module):
         if self.reads_features:
             x = torch.cat((x, feats), dim=-1)
         h = self.embed_proj(x).float()  # the residual stream stays float32 under autocast
-        for layer in self.layers:
-            h = layer(h, cos, sin, self.eps)
+        kvs = []
+        for i, layer in enumerate(self.layers):
+            h, kv = layer(h, cos, sin, self.eps, None if past is None else past[i])
+            kvs.append(kv)
         h = _rms(h, self.norm, self.eps)
         if not self.reads_features:  # one [K, C] matmul, as at inference
-            return (h @ (self.head_e @ self.lm_head_proj.weight).T).float(), None
+            return (h @ (self.head_e @ self.lm_head_proj.weight).T).float(), None, kvs
         g = self.lm_head_proj(h).float()
         # logits = g @ head_e.T, folded: h @ (head_e @ proj).T costs C instead of E per kept id, and
         # the [K, C] product is shared by every row of the batch.
-        return h @ (self.head_e @ self.lm_head_proj.weight).T, g
+        return h @ (self.head_e @ self.lm_head_proj.weight).T, g, kvs
+
+    def second_step(self, tokens: torch.Tensor, feats: torch.Tensor,
+                    past: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row r as the draft's second token in a chain: it reads token r with feats[r] (the
+        draft's own predicted feature of row r - 1) and attends to rows < r as a first pass `past`
+        (tokens with the target's features) left them, and to itself.
+
+        That is the draft's cache at inference: committed tokens are fed with the target's
+        features, and only the token being drafted carries a predicted one.
+        """
+        logits, g, _ = self.run(tokens, feats, past)
+        return logits, g
 
     def round_to(self, dtype: torch.dtype) -> None:
         """Round the weights to dtype in place (kept in float32): what is saved is what was measured."""

@@ -190,7 +190,7 @@ def second_step_features(b: Batch, g: torch.Tensor) -> torch.Tensor:
 def distill_loss(net: DraftNet, b: Batch, feature_weight: float, unroll: bool) -> torch.Tensor:
     """CE against the teacher; for a feature draft, plus the feature regression, and (unroll) the same
     again with the draft reading its own predicted features, as it does from its second draft token on."""
-    logits, g = net(b.x, b.feats)
+    logits, g, kvs = net.run(b.x, b.feats)
     loss = _ce(logits, b, b.w)
     if g is None:
         return loss
@@ -198,7 +198,7 @@ def distill_loss(net: DraftNet, b: Batch, feature_weight: float, unroll: bool) -
     if unroll:
         w2 = b.w.clone()
         w2[:, 0] = 0  # row 0 has no predicted feature to read
-        logits2, g2 = net(b.x, second_step_features(b, g))
+        logits2, g2 = net.second_step(b.x, second_step_features(b, g), kvs)
         loss = loss + _ce(logits2, b, w2) + feature_weight * _reg(g2, b, w2)
     return loss
 
@@ -280,9 +280,9 @@ def agreement(net: DraftNet, data: TeacherData, device: torch.device, depth: int
     lookup[net.vocab_ids] = torch.arange(net.vocab_ids.shape[0])
     for i in range(len(data)):
         b = collate(data, [i], lookup, 0.0, device, net.reads_features)
-        logits, g = net(b.x, b.feats)
+        logits, g, kvs = net.run(b.x, b.feats)
         if depth == 2 and g is not None:
-            logits, _ = net(b.x, second_step_features(b, g))
+            logits, _ = net.second_step(b.x, second_step_features(b, g), kvs)
         pred = net.vocab_ids[logits[0].argmax(-1)].cpu()
         o = 1 if net.reads_features else 0
         want = data.top_ids[i][o : len(data.tokens[i]) - 1, 0].long()
