@@ -141,16 +141,22 @@ def test_rerun_reuses_the_cached_teacher_data(tiny_distilled, tiny_dir):
     assert TeacherData.load(data_file, "another-key") is None  # other prompts or settings: regenerate
 
 
+def _untrained_draft(tmp_path, tiny_dir, features: bool, seed: int):
+    """(target, a random 2x128 DraftNet over 30 target ids, the same draft saved in float32 and loaded
+    as an inference model)."""
+    target = load_model(tiny_dir)
+    torch.manual_seed(seed)
+    vocab_ids = torch.tensor(sorted(torch.randperm(target.spec.vocab_size)[:30].tolist()))
+    net = DraftNet(DraftArch.parse("2x128"), target.embed, target.norm, vocab_ids, target.spec.rope_theta,
+                   reads_features=features).eval()
+    save_draft(net, tmp_path / "d", tiny_dir, fingerprint(tiny_dir), {}, dtype=torch.float32)
+    return target, net, load_draft(tmp_path / "d", target, torch.float32, torch.device("cpu"))
+
+
 def test_second_step_training_sees_the_cache_the_draft_sees_at_inference(tmp_path, tiny_dir):
     """DraftNet.second_step row r equals the inference draft fed token r with a predicted feature, on a
     cache whose rows < r were written with the target's features (as the drafter's catch-up writes them)."""
-    target = load_model(tiny_dir)
-    torch.manual_seed(2)
-    vocab_ids = torch.tensor(sorted(torch.randperm(target.spec.vocab_size)[:30].tolist()))
-    net = DraftNet(DraftArch.parse("2x128"), target.embed, target.norm, vocab_ids, target.spec.rope_theta,
-                   reads_features=True).eval()
-    save_draft(net, tmp_path / "d", tiny_dir, fingerprint(tiny_dir), {}, dtype=torch.float32)
-    model = load_draft(tmp_path / "d", target, torch.float32, torch.device("cpu"))
+    target, net, model = _untrained_draft(tmp_path, tiny_dir, features=True, seed=2)
     T, E = 12, target.spec.hidden_size
     tokens = torch.randint(0, target.spec.vocab_size, (1, T))
     feats, predicted = torch.randn(1, T, E), torch.randn(1, T, E)
@@ -175,13 +181,7 @@ def test_second_step_training_sees_the_cache_the_draft_sees_at_inference(tmp_pat
 
 @pytest.mark.parametrize("features", [False, True], ids=["plain", "features"])
 def test_inference_model_computes_the_training_function(tmp_path, tiny_dir, features):
-    target = load_model(tiny_dir)
-    torch.manual_seed(1)
-    vocab_ids = torch.tensor(sorted(torch.randperm(target.spec.vocab_size)[:30].tolist()))
-    net = DraftNet(DraftArch.parse("2x128"), target.embed, target.norm, vocab_ids, target.spec.rope_theta,
-                   reads_features=features).eval()
-    save_draft(net, tmp_path / "d", tiny_dir, fingerprint(tiny_dir), {}, dtype=torch.float32)
-    model = load_draft(tmp_path / "d", target, torch.float32, torch.device("cpu"))
+    target, net, model = _untrained_draft(tmp_path, tiny_dir, features, seed=1)
     assert (model.feature_head is not None) == features
     tokens = torch.randint(0, target.spec.vocab_size, (1, 21))
     feats = torch.randn(1, 21, target.spec.hidden_size) if features else None
