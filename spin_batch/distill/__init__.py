@@ -107,7 +107,7 @@ def _teacher(s: DistillSettings, name: str, prompts: tuple[str, ...], target, to
     from ..runner import eos_ids, make_encoder
 
     cache_file = s.out / "data" / f"{name}.pt"
-    dtype = next(k for k, v in loader.DTYPES.items() if v == target.dtype)
+    dtype = str(target.dtype).removeprefix("torch.")  # the key names the dtype the data is made in
     greedy_key = teacher_key(s, prompts, fp, dtype)
     sample_keys = [sample_key(greedy_key, i, s.sample_temperature) for i in range(1, samples + 1)]
     key = data_key(greedy_key, *sample_keys) if samples else greedy_key
