@@ -94,6 +94,23 @@ def test_linear_uses_it_for_bfloat16_where_the_cpu_has_it(lib):
     assert odd.panel is None and odd.packed
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
+def test_throughput_block_leaves_bfloat16_to_onednn_on_amx_only(lib, monkeypatch, amx):
+    """Inside throughput_gemm() (the distill teacher), bfloat16 weights go to oneDNN where the CPU has
+    AMX, and the result is the same product; float32 weights, and everything outside the block, keep
+    the panel GEMM."""
+    if not lib.spin_gemm_bf16_ok():
+        pytest.skip("no AVX512-BF16 here: bfloat16 linears are on oneDNN anyway")
+    monkeypatch.setattr(cpu_gemm, "_amx", lambda: amx)
+    w, x = torch.randn(50, 40).bfloat16(), torch.randn(3, 40).bfloat16()
+    with cpu_gemm.throughput_gemm():
+        fast, f32 = Linear(w), Linear(w.float())
+    assert (fast.panel is None and fast.packed) if amx else fast.panel is not None
+    assert f32.panel is not None
+    assert Linear(w).panel is not None  # the block has ended
+    torch.testing.assert_close(fast(x), torch.nn.functional.linear(x, w), rtol=2e-2, atol=2e-2)
+
+
 def test_off_and_unbuildable_fall_back_to_onednn(monkeypatch, tmp_path):
     w = torch.randn(64, 32)
     try:
