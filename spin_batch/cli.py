@@ -16,7 +16,7 @@ def _load(job_path: str, overrides: tuple[str, ...]):
         raise click.ClickException(str(e)) from None
 
 
-DEFAULT_SIZES = "1x192:2048,1x384:4096,2x384"  # the shipped family for the embedded model
+DEFAULT_SIZES = "1x128:1024,1x192:2048,1x384:4096"  # the shipped family for the embedded model
 
 set_option = click.option(
     "--set", "overrides", multiple=True, metavar="KEY=VALUE",
