@@ -39,6 +39,7 @@ import shutil
 import subprocess
 import warnings
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -174,16 +175,18 @@ class PanelWeight:
         return y if self.padded == self.out_features else y[:, : self.out_features]
 
 
+_throughput: ContextVar[bool] = ContextVar("spin_batch_throughput_gemm", default=False)
+
+
 @contextmanager
 def throughput_gemm():
     """Inside this block, bfloat16 weights on an AMX CPU are left to oneDNN (see the module docstring):
     only for models whose outputs need not be batch-invariant."""
-    before = _state.get("throughput", False)
-    _state["throughput"] = True
+    token = _throughput.set(True)
     try:
         yield
     finally:
-        _state["throughput"] = before
+        _throughput.reset(token)
 
 
 def _amx() -> bool:
@@ -200,7 +203,7 @@ def panel_weight(weight: torch.Tensor) -> PanelWeight | None:
     """
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if weight.dtype == torch.bfloat16 and _state.get("throughput") and _amx():
+    if weight.dtype == torch.bfloat16 and _throughput.get() and _amx():
         return None
     lib = library()
     if lib is None:
