@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemm
+from . import cpu_gemm, cuda_graphs
 from .cache import KVCache
 from .segments import Segments
 
@@ -380,6 +380,8 @@ class LlamaModel:
         self.dtype = embed.dtype
         self.device = embed.device
         self.kernels = kernels_module(self.device)  # Triton kernels, or None for the torch path
+        # CUDA graphs of the short (decode, verify) forwards on the Triton path, or None
+        self.graphs = cuda_graphs.StepGraphs(self) if cuda_graphs.enabled(self.device, self.kernels) else None
         self.cpu_lib = cpu_gemm.library() if self.device.type == "cpu" else None  # the C norm, or None
         # The C attention (cpu_gemm.c) on CPU where it takes this model, else the torch path.
         self.c_attention = self.cpu_lib is not None and cpu_gemm.attention_applies(
@@ -494,23 +496,56 @@ class LlamaModel:
         that reads the target's features does this).
         """
         s = self.spec
+        layers = num_layers or s.num_layers
         if self.c_decoder is not None and not self.kernels:
             h = self._embed(tokens, extra).contiguous()
-            return self.c_decoder(h, num_layers or s.num_layers, seg.token_slots, seg.positions,
+            return self.c_decoder(h, layers, seg.token_slots, seg.positions,
                                   self.cos32[seg.positions], self.sin32_signed[seg.positions], cache.k, cache.v)
-        n_tok = tokens.shape[0]
+        if self.kernels:
+            if self.graphs is not None:
+                h = self.graphs.hidden(tokens, seg, cache, layers, extra)
+                if h is not None:
+                    return h
+            meta = torch.tensor(seg.slots + seg.starts + seg.cache_lens, dtype=torch.int32).to(self.device)
+            return self.kernel_hidden(self._embed(tokens, extra), seg.token_slots, seg.positions, meta,
+                                      max(seg.lengths(), default=0), cache, layers)
+        attend = self._c_attention(seg) if self.c_attention else self._torch_attention(seg, cache)
+        return self._layers(self._embed(tokens, extra), seg.positions, attend, cache, layers)
+
+    def kernel_hidden(
+        self,
+        h: torch.Tensor,  # [N, C] float32: the embedded tokens
+        token_slots: torch.Tensor,  # [N] long
+        positions: torch.Tensor,  # [N] long
+        meta: torch.Tensor,  # [3 S + 1] int: segment slots, starts (S + 1), cache lengths
+        longest: int,  # the longest segment (sizes the attention grid)
+        cache: KVCache,
+        num_layers: int,
+    ) -> torch.Tensor:
+        """The layers on the Triton path: a KV scatter and one varlen attention launch per layer.
+
+        Everything here is on the device and sized by N, S and `longest` alone, so models/cuda_graphs.py
+        can capture it for a shape and replay it with new values in the same buffers.
+        """
+        kn = self.kernels
+        S = (meta.shape[0] - 1) // 3
+        slots, starts, cache_lens = meta[:S], meta[S : 2 * S + 1], meta[2 * S + 1 :]
+
+        def attend(li: int, cache: KVCache, q, k, v) -> torch.Tensor:
+            kn.kv_write(cache.k[li], cache.v[li], token_slots, positions, k, v)
+            return kn.varlen_attention(q, cache.k[li], cache.v[li], slots, starts, cache_lens, longest)
+
+        return self._layers(h, positions, attend, cache, num_layers)
+
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend, cache: KVCache, num_layers: int) -> torch.Tensor:
+        """The first num_layers layers over the residual h [N, C]; attend(li, cache, q, k, v) -> [N, H, D]."""
+        s = self.spec
+        n_tok = h.shape[0]
         H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
         qk_width, inter = (H + KV) * D, s.intermediate_size
-        cos = self.cos[seg.positions].unsqueeze(1)  # [N, 1, D]
-        sin = self.sin_signed[seg.positions].unsqueeze(1)
-        if self.kernels:
-            attend = self._kernel_attention(seg)
-        elif self.c_attention:
-            attend = self._c_attention(seg)
-        else:
-            attend = self._torch_attention(seg, cache)
-        h = self._embed(tokens, extra)
-        for li, lw in enumerate(self.layers[: num_layers or s.num_layers]):
+        cos = self.cos[positions].unsqueeze(1)  # [N, 1, D]
+        sin = self.sin_signed[positions].unsqueeze(1)
+        for li, lw in enumerate(self.layers[:num_layers]):
             qkv = lw.qkv(self.normed(h, lw.attn_norm))  # [N, (H + 2 KV) * D]
             qk = apply_rope(qkv[:, :qk_width].view(n_tok, H + KV, D), cos, sin)  # [N, H + KV, D]
             o = attend(li, cache, qk[:, :H], qk[:, H:], qkv[:, qk_width:].view(n_tok, KV, D))  # [N, H, D]
@@ -553,20 +588,6 @@ class LlamaModel:
 
         def attend(li: int, cache: KVCache, q, k, v) -> torch.Tensor:
             return cpu_gemm.attention(lib, q, k, v, cache.k[li], cache.v[li], seg.token_slots, seg.positions)
-
-        return attend
-
-    def _kernel_attention(self, seg: Segments):
-        """Triton: KV scatter, then one varlen attention launch over all segments (no padding)."""
-        kn = self.kernels
-        S = seg.num_segments
-        meta = torch.tensor(seg.slots + seg.starts + seg.cache_lens, dtype=torch.int32, device=self.device)
-        slots, starts, cache_lens = meta[:S], meta[S : 2 * S + 1], meta[2 * S + 1 :]
-        longest = max(seg.lengths(), default=0)
-
-        def attend(li: int, cache: KVCache, q, k, v) -> torch.Tensor:
-            kn.kv_write(cache.k[li], cache.v[li], seg.token_slots, seg.positions, k, v)
-            return kn.varlen_attention(q, cache.k[li], cache.v[li], slots, starts, cache_lens, longest)
 
         return attend
 

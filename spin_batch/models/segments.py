@@ -19,8 +19,8 @@ class Segments:
     starts: list[int]  # [S + 1] offset of each segment in the flat batch; starts[-1] == N
     cache_lens: list[int]  # [S] tokens already in the slot's cache before this forward
     device: torch.device | str = "cpu"
-    token_slots: torch.Tensor = field(init=False)  # [N] long: slot of each flat token
-    positions: torch.Tensor = field(init=False)  # [N] long: absolute position of each flat token
+    slot_list: list[int] = field(init=False, repr=False)  # [N] slot of each flat token
+    position_list: list[int] = field(init=False, repr=False)  # [N] absolute position of each flat token
 
     def __post_init__(self) -> None:
         if len(self.starts) != len(self.slots) + 1 or len(self.cache_lens) != len(self.slots):
@@ -30,8 +30,26 @@ class Segments:
         for slot, a, b, c in zip(self.slots, self.starts[:-1], self.starts[1:], self.cache_lens):
             slot_list.extend([slot] * (b - a))
             pos_list.extend(range(c, c + b - a))
-        self.token_slots = torch.tensor(slot_list, dtype=torch.long, device=self.device)
-        self.positions = torch.tensor(pos_list, dtype=torch.long, device=self.device)
+        self.slot_list, self.position_list = slot_list, pos_list
+        self._tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _device_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # Made on first use: a forward replayed from a CUDA graph copies the lists into its own
+        # buffers and never needs these (on a GPU each is a host-to-device copy).
+        if self._tensors is None:
+            both = torch.tensor([self.slot_list, self.position_list], dtype=torch.long).to(self.device)
+            self._tensors = (both[0], both[1])
+        return self._tensors
+
+    @property
+    def token_slots(self) -> torch.Tensor:
+        """[N] long: slot of each flat token, on the segments' device."""
+        return self._device_tensors()[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[N] long: absolute position of each flat token, on the segments' device."""
+        return self._device_tensors()[1]
 
     @classmethod
     def build(cls, parts: list[tuple[int, int, int]], device: torch.device | str = "cpu") -> "Segments":
