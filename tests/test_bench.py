@@ -147,3 +147,18 @@ def test_spin_nogate_turns_the_confidence_gate_off(job, monkeypatch):
     assert bench.mismatches(runs) == []
     # spin gives both drafters (a model and an n-gram drafter) a confidence floor; spin-nogate none
     assert [p.gated for p in made if hasattr(p, "gated")] == [frozenset({"exit2", "ngram"}), frozenset()]
+
+
+def test_warmup_passes_run_every_loop_method_untimed_first(job, monkeypatch):
+    calls = []
+    real = bench.run_loop
+    monkeypatch.setattr(bench, "run_loop", lambda *a, **k: calls.append((a[6], a[5])) or real(*a, **k))
+    runs = bench.run_bench(job, ["autoregressive", "fixed:ngram", "oracle"], [2], limit=None, repeat=1,
+                           progress=False, warmup=1)
+    # the warm-up pass (repeat -1) first, then the timed repeat (the oracle's run comes after its repeat)
+    assert calls == [("autoregressive", -1), ("fixed:ngram", -1), ("autoregressive", 0), ("fixed:ngram", 0),
+                     ("oracle", 0)]
+    assert {r.repeat for r in runs} == {0}  # warm-up runs are not reported
+    calls.clear()
+    bench.run_bench(job, ["autoregressive"], [2], limit=None, repeat=1, progress=False)  # CPU: no warm-up by default
+    assert calls == [("autoregressive", 0)]
