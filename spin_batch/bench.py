@@ -92,11 +92,16 @@ def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots:
         shares[s.req.id] = s.share_s
 
     loop.on_finish = record
+    graphs = getattr(engine.target, "graphs", None)
+    before = graphs.stats() if graphs is not None else None
     t0 = time.perf_counter()
     loop.run(iter(data.requests), data.encode, lambda row: None)
     wall = time.perf_counter() - t0
     loop.on_finish = None
-    return MethodRun(label, slots, repeat, wall, tokens, shares, loop.stats.summary(), peak_rss_mb())
+    summary = loop.stats.summary()
+    if graphs is not None:  # the target's CUDA graphs during this run: shapes captured, replays, eager short forwards
+        summary["cuda_graphs"] = {k: v - before[k] for k, v in graphs.stats().items()}
+    return MethodRun(label, slots, repeat, wall, tokens, shares, summary, peak_rss_mb())
 
 
 class HFGenerate:
@@ -466,17 +471,25 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _arrow(rows: list[dict]) -> pa.Table:
+    """Rows as a table with the union of their keys (missing values are null)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows])
+
+
 def write_results(runs: list[MethodRun], out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     rows = table(runs)
-    raw = pa.Table.from_pylist([{
+    raw = _arrow([{
         "method": r.method, "slots": r.slots, "repeat": r.repeat, "wall_s": r.wall_s, "generated_tokens": r.generated,
         "tokens_per_s": r.tok_s, "peak_rss_mb": r.peak_rss_mb,
         "mean_acceptance_length": _mean_acceptance(r.summary),
+        **{f"{stage}_s": t for stage, t in r.summary.get("stage_time_s", {}).items()},
+        **{f"cuda_graph_{k}": v for k, v in r.summary.get("cuda_graphs", {}).items()},
     } for r in runs])
     paths = {"runs": out / "bench_runs.parquet", "table": out / "bench.parquet", "markdown": out / "bench.md"}
     pq.write_table(raw, paths["runs"])
-    pq.write_table(pa.Table.from_pylist(rows), paths["table"])
+    pq.write_table(_arrow(rows), paths["table"])
     bad = mismatches(runs)
     parts = [markdown(rows)]
     reg = regret(runs)

@@ -65,6 +65,15 @@ def test_results_written(runs, tmp_path):
     assert "| fixed:exit2 |" in md and "identical" in md
     assert paths["table"].exists() and paths["runs"].exists()
     assert paths["throughput_plot"].stat().st_size > 1000
+    import pyarrow.parquet as pq
+
+    raw = pq.read_table(paths["runs"]).to_pylist()
+    assert len(raw) == len(runs)
+    # hf_generate runs first and has no loop stages: the columns still come from every run
+    assert raw[0]["method"] == "hf_generate" and raw[0]["verify_s"] is None
+    loop_rows = [r for r in raw if r["method"] == "fixed:ngram"]
+    assert loop_rows and all(r["verify_s"] > 0 and r["draft_s"] >= 0 for r in loop_rows)
+    assert "cuda_graph_replays" not in raw[0]  # a CPU target has no graphs
 
 
 def test_bench_cli_rejects_unknown_method(job, tmp_path):

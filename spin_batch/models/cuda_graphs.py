@@ -100,6 +100,8 @@ class StepGraphs:
                None if extra is None else (extra.shape[1], extra.dtype))
         g = self.graphs.get(key)
         if g is None:
+            if len(self.seen) >= 16 * self.max_graphs:  # shapes that never came back: forget them
+                self.seen.clear()
             self.seen[key] += 1
             if self.seen[key] < self.capture_after or len(self.graphs) >= self.max_graphs:
                 self.eager += 1
