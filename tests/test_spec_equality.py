@@ -403,6 +403,18 @@ def test_pipelined_output_equals_unpipelined(target, reference, tiny_draft_dir, 
     assert 0 < summary["target_idle_fraction"] < 1
 
 
+def test_pipeline_keeps_a_step_that_drafts_nothing_whole(target, reference):
+    """Nothing to overlap: one target forward per step, as without the pipeline."""
+    from dataclasses import replace
+
+    plain = make_loop(target, 4, NoSpeculation(), [ngram])
+    assert run(plain) == reference
+    loop = make_loop(target, 4, NoSpeculation(), [ngram])
+    loop.cfg = replace(loop.cfg, pipeline=True)
+    assert run(loop) == reference
+    assert loop.stats.summary()["steps"] == plain.stats.summary()["steps"]
+
+
 @pytest.fixture(scope="module")
 def bf16_target(tiny_dir):
     from spin_batch.models import cpu_gemm

@@ -171,8 +171,13 @@ class BatchLoop:
         return rows
 
     def _micro_batches(self, decode: list[Slot], choices: list[Choice]) -> list[tuple[list[Slot], list[Choice]]]:
-        """One micro-batch, or two balanced by verify tokens (1 + gamma) when the pipeline is on."""
-        if not self.cfg.pipeline or len(decode) < 2:
+        """One micro-batch, or two balanced by verify tokens (1 + gamma) when the pipeline is on.
+
+        A step in which no slot drafts stays whole: with nothing to overlap, a second micro-batch
+        would only cost a second target forward (two launches of every layer, the weights read twice).
+        """
+        drafts = any(c.drafter is not None and c.gamma > 0 for c in choices)
+        if not self.cfg.pipeline or len(decode) < 2 or not drafts:
             return [(decode, choices)]
         order = sorted(range(len(decode)), key=lambda i: -choices[i].gamma)
         halves: list[list[int]] = [[], []]

@@ -537,7 +537,8 @@ class LlamaModel:
 
         return self._layers(h, positions, attend, cache, num_layers)
 
-    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend, cache: KVCache, num_layers: int) -> torch.Tensor:
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend, cache: KVCache,
+                num_layers: int) -> torch.Tensor:
         """The first num_layers layers over the residual h [N, C]; attend(li, cache, q, k, v) -> [N, H, D]."""
         s = self.spec
         n_tok = h.shape[0]
