@@ -210,6 +210,14 @@ def _choice(*options: Any) -> Check:
     return check
 
 
+def _switch(value: Any) -> str:
+    """auto, on or off. YAML 1.1 reads a bare ``on``/``off`` (and yes/no, true/false) as a bool:
+    those mean on and off too."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return _choice("auto", "on", "off")(value)
+
+
 def _pattern(regex: str, desc: str) -> Check:
     """A string fully matching ``regex``."""
     compiled = re.compile(regex)
@@ -602,7 +610,7 @@ class SpinConfig:
         return cls(
             selector=s.take("selector", _text()),
             num_speculative_tokens=s.take("num_speculative_tokens", _int(lo=1, hi=32)),
-            pipeline=s.take("pipeline", _choice("auto", "on", "off")),
+            pipeline=s.take("pipeline", _switch),
             confidence_gate=s.take("confidence_gate", _bool),
             backoff=s.take("backoff", _bool),
         )

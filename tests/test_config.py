@@ -582,3 +582,14 @@ def test_vote_drafter_members_are_checked():
     assert "drafters[2].members: 'v1' is a vote drafter" in msg
     assert "drafters[2].beta: must be a number in (0, 1)" in msg
     assert "drafters[3].members: needs at least 2 distinct drafters" in msg
+
+
+def test_pipeline_switch_takes_yaml_on_off_as_written():
+    # YAML 1.1 reads a bare on/off as a bool: `--set spin.pipeline=on` and `pipeline: off` mean what they say
+    assert parse_job(minimal(), ["spin.pipeline=on"]).spin.pipeline == "on"
+    assert parse_job(minimal(), ["spin.pipeline=off"]).spin.pipeline == "off"
+    raw = yaml.safe_load("input: {paths: p.jsonl}\noutput: {dir: out}\nspin: {pipeline: off}\n")
+    assert parse_job(raw).spin.pipeline == "off"
+    assert parse_job(minimal(), ["spin.pipeline=auto"]).spin.pipeline == "auto"
+    with pytest.raises(ConfigError, match="spin.pipeline: must be one of 'auto', 'on', 'off', got int 1"):
+        parse_job(minimal(), ["spin.pipeline=1"])
