@@ -435,6 +435,18 @@ def _mean_acceptance(summary: dict) -> float | None:
     return (acc + spec) / spec if spec else None
 
 
+def graph_use(runs: list[MethodRun]) -> list[str]:
+    """Per method and slots, over all repeats: the target's short forwards replayed from CUDA graphs."""
+    total: dict[tuple[str, int], list[int]] = {}
+    for r in runs:
+        g = r.summary.get("cuda_graphs")
+        if g:
+            t = total.setdefault((r.method, r.slots), [0, 0, 0])
+            t[0], t[1], t[2] = t[0] + g["replays"], t[1] + g["eager"], t[2] + g["graphs"]
+    return [f"{m} slots={s}: {rep}/{rep + eager} short forwards replayed ({new} shapes captured in the timed runs)"
+            for (m, s), (rep, eager, new) in sorted(total.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
+
+
 def regret(runs: list[MethodRun]) -> list[str]:
     """SPIN against the best single fixed drafter and against the per-request oracle, per slots
     (paired ratios: medians over repeats of spin's tok/s over the other method's in the same repeat)."""
@@ -495,6 +507,9 @@ def write_results(runs: list[MethodRun], out: Path) -> dict[str, Path]:
     reg = regret(runs)
     if reg:
         parts.append("Regret:\n" + "\n".join(f"- {x}" for x in reg))
+    graphs = graph_use(runs)
+    if graphs:
+        parts.append("CUDA graphs (the target's decode and verify forwards):\n" + "\n".join(f"- {x}" for x in graphs))
     agree = agreement(runs)
     if agree:
         parts.append("llama.cpp (other kernels, other rounding; not required to match):\n"

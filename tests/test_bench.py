@@ -171,3 +171,18 @@ def test_warmup_passes_run_every_loop_method_untimed_first(job, monkeypatch):
     calls.clear()
     bench.run_bench(job, ["autoregressive"], [2], limit=None, repeat=1, progress=False)  # CPU: no warm-up by default
     assert calls == [("autoregressive", 0)]
+
+
+def test_graph_use_lines_sum_the_timed_runs():
+    def run(method, slots, repeat, graphs):
+        return bench.MethodRun(method, slots, repeat, 1.0, {}, summary={"cuda_graphs": graphs} if graphs else {})
+
+    runs = [run("autoregressive", 1, 0, {"graphs": 2, "replays": 90, "eager": 10}),
+            run("autoregressive", 1, 1, {"graphs": 0, "replays": 100, "eager": 0}),
+            run("spin", 1, 0, {"graphs": 5, "replays": 40, "eager": 20}),
+            run("autoregressive", 4, 0, None)]  # a CPU run: no graphs
+    assert bench.graph_use(runs) == [
+        "autoregressive slots=1: 190/200 short forwards replayed (2 shapes captured in the timed runs)",
+        "spin slots=1: 40/60 short forwards replayed (5 shapes captured in the timed runs)",
+    ]
+    assert bench.graph_use(runs[3:]) == []
