@@ -155,7 +155,7 @@ def report(out_dir, png):
               help="Comma-separated draft sizes, LAYERSxWIDTH[:HEAD_IDS].")
 @click.option("--heldout", multiple=True, help="Held-out prompts for the agreement figures (repeatable).")
 @click.option("--steps", type=int, default=None, help="Optimizer steps per draft (default: from --epochs).")
-@click.option("--epochs", type=float, default=12.0, show_default=True, help="Passes over the data per draft.")
+@click.option("--epochs", type=float, default=8.0, show_default=True, help="Passes over the data per draft.")
 @click.option("--lr", type=float, default=3e-3, show_default=True)
 @click.option("--batch-tokens", type=int, default=2048, show_default=True, help="Padded tokens per step.")
 @click.option("--vocab", type=int, default=8192, show_default=True,
@@ -174,7 +174,7 @@ def report(out_dir, png):
 @click.option("--no-unroll", is_flag=True,
               help="Train feature-reading drafts on the target's features only (default: also on their own "
                    "predicted features, as in their second draft step).")
-@click.option("--samples", type=int, default=1, show_default=True,
+@click.option("--samples", type=int, default=2, show_default=True,
               help="Sampled completions per training prompt, on top of the greedy one: more teacher contexts "
                    "from the same prompts (each is one more generation job).")
 @click.option("--sample-temperature", type=float, default=0.8, show_default=True,
