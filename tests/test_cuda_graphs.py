@@ -60,6 +60,8 @@ def test_segments_make_device_tensors_once_and_lazily():
     assert seg.token_slots.tolist() == [2, 2, 2, 1] and seg.positions.tolist() == [5, 6, 7, 0]
     assert seg.token_slots is seg.token_slots and seg.positions.is_contiguous()
     assert seg.token_slots.dtype == torch.long
+    # one host tensor for the Triton path: token slots, positions, then slots, starts, cache lengths
+    assert seg.packed_index().tolist() == [2, 2, 2, 1, 5, 6, 7, 0, 2, 0, 1, 0, 3, 3, 4, 5, 4, 0]
 
 
 # -- on a GPU --------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def enabled(device: torch.device, kernels) -> bool:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     tokens: torch.Tensor  # [N] long: input
-    index: torch.Tensor  # [2 N + 3 S + 1] long: token slots, positions, then the segment table
+    index: torch.Tensor  # [2 N + 3 S + 1] long: Segments.packed_index()
     extra: torch.Tensor | None  # [N, X]: input
     out: torch.Tensor  # [N, C]: the residual the replay writes
 
@@ -81,11 +81,6 @@ class StepGraphs:
         self.pool = None  # one memory pool shared by this model's graphs (each output is copied out at once)
         self.replays = 0
         self.eager = 0  # short forwards that ran eagerly (shape not captured yet, or the cap reached)
-
-    @staticmethod
-    def _host_index(seg) -> torch.Tensor:
-        return torch.tensor(seg.slot_list + seg.position_list + seg.slots + seg.starts + seg.cache_lens,
-                            dtype=torch.long)
 
     @torch.inference_mode()
     def hidden(self, tokens: torch.Tensor, seg, cache, num_layers: int,
@@ -109,7 +104,7 @@ class StepGraphs:
             g = self.graphs[key] = self._capture(tokens, seg, cache, num_layers, extra, longest)
             del self.seen[key]
         g.tokens.copy_(tokens)
-        g.index.copy_(self._host_index(seg))
+        g.index.copy_(seg.packed_index())
         if extra is not None:
             g.extra.copy_(extra)
         g.graph.replay()
@@ -118,15 +113,12 @@ class StepGraphs:
 
     def _capture(self, tokens, seg, cache, num_layers, extra, longest) -> _Graph:
         m = self.model
-        N, S = seg.num_tokens, seg.num_segments
         static_tokens = tokens.clone()
-        index = self._host_index(seg).to(m.device)
+        index = seg.packed_index().to(m.device)
         static_extra = None if extra is None else extra.clone()
 
         def run() -> torch.Tensor:
-            token_slots, positions, meta = index[:N], index[N : 2 * N], index[2 * N :]
-            return m.kernel_hidden(m._embed(static_tokens, static_extra), token_slots, positions, meta, longest,
-                                   cache, num_layers)
+            return m.kernel_hidden(m._embed(static_tokens, static_extra), index, longest, cache, num_layers)
 
         # Warm up on a side stream (Triton compiles and cuBLAS picks its kernels outside the capture).
         # The warm-up writes this step's K/V into the cache; the replay rewrites the same values.

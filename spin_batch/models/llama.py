@@ -506,8 +506,7 @@ class LlamaModel:
                 h = self.graphs.hidden(tokens, seg, cache, layers, extra)
                 if h is not None:
                     return h
-            meta = torch.tensor(seg.slots + seg.starts + seg.cache_lens, dtype=torch.int32).to(self.device)
-            return self.kernel_hidden(self._embed(tokens, extra), seg.token_slots, seg.positions, meta,
+            return self.kernel_hidden(self._embed(tokens, extra), seg.packed_index().to(self.device),
                                       max(seg.lengths(), default=0), cache, layers)
         attend = self._c_attention(seg) if self.c_attention else self._torch_attention(seg, cache)
         return self._layers(self._embed(tokens, extra), seg.positions, attend, cache, layers)
@@ -515,9 +514,7 @@ class LlamaModel:
     def kernel_hidden(
         self,
         h: torch.Tensor,  # [N, C] float32: the embedded tokens
-        token_slots: torch.Tensor,  # [N] long
-        positions: torch.Tensor,  # [N] long
-        meta: torch.Tensor,  # [3 S + 1] int: segment slots, starts (S + 1), cache lengths
+        index: torch.Tensor,  # [2 N + 3 S + 1] long on the device: Segments.packed_index()
         longest: int,  # the longest segment (sizes the attention grid)
         cache: KVCache,
         num_layers: int,
@@ -528,8 +525,11 @@ class LlamaModel:
         can capture it for a shape and replay it with new values in the same buffers.
         """
         kn = self.kernels
-        S = (meta.shape[0] - 1) // 3
-        slots, starts, cache_lens = meta[:S], meta[S : 2 * S + 1], meta[2 * S + 1 :]
+        n = h.shape[0]
+        S = (index.shape[0] - 2 * n - 1) // 3
+        token_slots, positions = index[:n], index[n : 2 * n]
+        table = index[2 * n :]
+        slots, starts, cache_lens = table[:S], table[S : 2 * S + 1], table[2 * S + 1 :]
 
         def attend(li: int, cache: KVCache, q, k, v) -> torch.Tensor:
             kn.kv_write(cache.k[li], cache.v[li], token_slots, positions, k, v)

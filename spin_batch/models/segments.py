@@ -51,6 +51,13 @@ class Segments:
         """[N] long: absolute position of each flat token, on the segments' device."""
         return self._device_tensors()[1]
 
+    def packed_index(self) -> torch.Tensor:
+        """[2 N + 3 S + 1] long, on the host: token slots, positions, then the segment table (slots,
+        starts, cache lengths). The Triton path copies it to the device in one transfer
+        (LlamaModel.kernel_hidden reads it back apart)."""
+        return torch.tensor(self.slot_list + self.position_list + self.slots + self.starts + self.cache_lens,
+                            dtype=torch.long)
+
     @classmethod
     def build(cls, parts: list[tuple[int, int, int]], device: torch.device | str = "cpu") -> "Segments":
         """parts: (slot, num_new_tokens, cache_len) per segment, in flat-batch order."""
