@@ -38,6 +38,7 @@ __all__ = [
     "ModelDrafterConfig",
     "NgramDrafterConfig",
     "VoteDrafterConfig",
+    "CascadeDrafterConfig",
     "DrafterConfig",
     "DRAFTER_KINDS",
     "SpinConfig",
@@ -476,7 +477,26 @@ class VoteDrafterConfig:
         return cls(name=name, members=members, beta=beta)
 
 
-DrafterConfig = EarlyExitDrafterConfig | ModelDrafterConfig | NgramDrafterConfig | VoteDrafterConfig
+@dataclass(frozen=True, kw_only=True)
+class CascadeDrafterConfig:
+    """Per slot and step, the first of the members whose gated proposal has at least min_tokens tokens."""
+
+    name: str
+    kind: Literal["cascade"] = "cascade"
+    members: tuple[str, ...]
+    min_tokens: int = 2
+
+    @classmethod
+    def _parse(cls, s: _Section, name: str) -> CascadeDrafterConfig:
+        members = s.take("members", _texts(nonempty=True))
+        if s.ok("members") and (len(set(members)) != len(members) or len(members) < 2):
+            s.errs.add(s.key_path("members"), f"needs at least 2 distinct drafters, got {list(members)}")
+        min_tokens = s.take("min_tokens", _int(lo=1, hi=32))
+        return cls(name=name, members=members, min_tokens=min_tokens)
+
+
+DrafterConfig = (EarlyExitDrafterConfig | ModelDrafterConfig | NgramDrafterConfig | VoteDrafterConfig
+                 | CascadeDrafterConfig)
 
 #: Drafter ``kind`` -> its config class. Add new drafter kinds here.
 DRAFTER_KINDS: dict[str, type] = {
@@ -484,7 +504,11 @@ DRAFTER_KINDS: dict[str, type] = {
     "model": ModelDrafterConfig,
     "ngram": NgramDrafterConfig,
     "vote": VoteDrafterConfig,
+    "cascade": CascadeDrafterConfig,
 }
+
+#: Drafter kinds made of other configured drafters (their ``members``).
+COMPOSITE_KINDS = ("vote", "cascade")
 
 
 def _drafter_class(item: Mapping, path: str, errs: _Errors) -> type | None:
@@ -532,21 +556,21 @@ def _parse_drafters(root: _Section) -> tuple[tuple[Any, ...], list[str]]:
             seen[name] = item_path
         if config is not None:
             configs.append(config)
-    _check_vote_members(configs, path, root.errs)
+    _check_members(configs, path, root.errs)
     return tuple(configs), list(seen)
 
 
-def _check_vote_members(configs: list[Any], path: str, errs: _Errors) -> None:
-    """A vote's members must be other configured drafters, and not votes themselves."""
+def _check_members(configs: list[Any], path: str, errs: _Errors) -> None:
+    """A vote's or a cascade's members must be other configured drafters, and plain ones."""
     kinds = {c.name: c.kind for c in configs}
     for i, c in enumerate(configs):
-        if not isinstance(c, VoteDrafterConfig):
+        if c.kind not in COMPOSITE_KINDS:
             continue
         for m in c.members:
             if m not in kinds:
                 errs.add(f"{path}[{i}].members", f"unknown drafter {m!r}; configured: {sorted(kinds)}")
-            elif kinds[m] == "vote":
-                errs.add(f"{path}[{i}].members", f"{m!r} is a vote drafter; members must be plain drafters")
+            elif kinds[m] in COMPOSITE_KINDS:
+                errs.add(f"{path}[{i}].members", f"{m!r} is a {kinds[m]} drafter; members must be plain drafters")
 
 
 # --------------------------------------------------------------------------- spin / batch / sampling

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from .config import (
+    COMPOSITE_KINDS,
+    CascadeDrafterConfig,
     EarlyExitDrafterConfig,
     JobConfig,
     ModelDrafterConfig,
@@ -21,6 +23,7 @@ from .config import (
     job_to_dict,
 )
 from .drafters.base import Drafter
+from .drafters.cascade import CascadeDrafter
 from .drafters.early_exit import EarlyExitDrafter, check_layers
 from .drafters.model import FeatureDrafter, ModelDrafter
 from .drafters.ngram import NgramDrafter
@@ -171,11 +174,14 @@ def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: tor
                 drafters[d.name] = ModelDrafter(d.name, model, cache)
         elif isinstance(d, NgramDrafterConfig):
             drafters[d.name] = NgramDrafter(d.name, d.min_ngram, d.max_ngram)
-        elif not isinstance(d, VoteDrafterConfig):  # a kind added to config.py but not here
+        elif d.kind not in COMPOSITE_KINDS:  # a kind added to config.py but not here
             raise ValueError(f"drafter kind {d.kind!r} has no implementation")
-    for d in job.drafters:  # votes last: they reuse the drafters above
+    for d in job.drafters:  # votes and cascades last: they reuse the drafters above
+        members = {m: drafters[m] for m in getattr(d, "members", ())}
         if isinstance(d, VoteDrafterConfig):
-            drafters[d.name] = VoteDrafter(d.name, {m: drafters[m] for m in d.members}, d.beta, job.batch.slots)
+            drafters[d.name] = VoteDrafter(d.name, members, d.beta, job.batch.slots)
+        elif isinstance(d, CascadeDrafterConfig):
+            drafters[d.name] = CascadeDrafter(d.name, members, d.min_tokens)
     return {d.name: drafters[d.name] for d in job.drafters}
 
 

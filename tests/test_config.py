@@ -151,7 +151,7 @@ def test_drafter_lookup_unknown_name():
 
 
 def test_registry_and_selector_grammar():
-    assert set(DRAFTER_KINDS) == {"early_exit", "model", "ngram", "vote"}
+    assert set(DRAFTER_KINDS) == {"early_exit", "model", "ngram", "vote", "cascade"}
     assert {"none", "fixed"} <= set(SELECTOR_GRAMMAR)
 
 
@@ -582,6 +582,29 @@ def test_vote_drafter_members_are_checked():
     assert "drafters[2].members: 'v1' is a vote drafter" in msg
     assert "drafters[2].beta: must be a number in (0, 1)" in msg
     assert "drafters[3].members: needs at least 2 distinct drafters" in msg
+
+
+def test_cascade_drafter_members_are_checked():
+    raw = minimal()
+    raw["drafters"] = [
+        {"name": "ng", "kind": "ngram"},
+        {"name": "c1", "kind": "cascade", "members": ["ng", "missing"]},
+        {"name": "c2", "kind": "cascade", "members": ["ng", "c1"], "min_tokens": 0},
+        {"name": "c3", "kind": "cascade", "members": ["ng", "ng"]},
+        {"name": "c4", "kind": "cascade", "members": ["ng"]},
+    ]
+    with pytest.raises(ConfigError) as e:
+        parse_job(raw)
+    msg = str(e.value)
+    assert "drafters[1].members: unknown drafter 'missing'" in msg
+    assert "drafters[2].members: 'c1' is a cascade drafter" in msg
+    assert "drafters[2].min_tokens" in msg
+    assert "drafters[3].members: needs at least 2 distinct drafters" in msg
+    assert "drafters[4].members: needs at least 2 distinct drafters" in msg
+    raw["drafters"] = [{"name": "ng", "kind": "ngram"}, {"name": "e", "kind": "early_exit", "layers": 1},
+                       {"name": "c", "kind": "cascade", "members": ["ng", "e"]}]
+    c = parse_job(raw).drafter("c")
+    assert c.members == ("ng", "e") and c.min_tokens == 2
 
 
 def test_pipeline_switch_takes_yaml_on_off_as_written():

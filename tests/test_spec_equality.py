@@ -334,6 +334,24 @@ def test_vote_drafter_equals_autoregressive(target, reference, tiny_draft_dir, s
     assert vote.stats()["proposals"] > 0
 
 
+@pytest.mark.parametrize("slots", [1, 8])
+def test_cascade_drafter_equals_autoregressive(target, reference, tiny_draft_dir, slots):
+    """n-gram first, a separate model where the lookup keeps under 2 tokens: the model catches up on the
+    steps it sat out, and the output is autoregressive's."""
+    from spin_batch.drafters.cascade import CascadeDrafter
+
+    model, tok = target
+    settings = LoopSettings(slots=slots, max_model_len=128, max_num_batched_tokens=64, max_tokens=MAX_TOKENS,
+                            sampling=SamplingParams(), ignore_eos=True)
+    cache = model.allocate_cache(slots, 128)
+    members = {d.name: d for d in (ngram(model, cache, slots), other_model_factory(tiny_draft_dir)(model, cache, slots))}
+    cascade = CascadeDrafter("cascade", members, min_tokens=2)
+    loop = BatchLoop(model, tok, settings, FixedDrafter("cascade", 4), {**members, "cascade": cascade}, cache)
+    assert run(loop) == reference
+    used = cascade.stats()
+    assert all(used.values()), used  # both members drafted for some steps
+
+
 @pytest.fixture(scope="module")
 def kernel_target(tiny_dir):
     """The same tiny target with the Triton kernels forced on (CPU: the Triton interpreter)."""

@@ -311,3 +311,36 @@ def test_sample_draws_from_the_given_distribution_and_never_a_zero_token():
     for _ in range(N_SAMPLES // 4):
         shifted[(sample(w, gen) + 1) % V] += 1
     assert not _within_bound(p, shifted)[0]
+
+
+def test_cascade_of_a_lookup_and_a_gated_model_is_lossless_under_sampling():
+    """A cascade verifies one member's proposal per slot: a deterministic lookup's (q one-hot) where it
+    kept at least min_tokens tokens, else the gated model draft's with its q. Both output tokens follow p."""
+    from spin_batch.drafters.base import Drafter, DraftRequest, Proposal
+    from spin_batch.drafters.cascade import CascadeDrafter
+
+    class Lookup(Drafter):
+        gates = True
+
+        def propose(self, reqs, sp):  # two tokens for even slots, one (too few) for odd ones
+            return Proposal([[1, 2] if r.slot % 2 == 0 else [3] for r in reqs], [None] * len(reqs))
+
+    p_logits, q1, q2, floor = _gated_problem()
+    sp = SamplingParams(1.0)
+    p = probs_from_logits(p_logits, sp)
+    cascade = CascadeDrafter("c", {"lookup": Lookup("lookup"), "table": _TableDraft(q1, q2)}, min_tokens=2)
+    assert cascade.gates
+
+    def propose(gen):
+        reqs = [DraftRequest(i, [0], 2, gen, min_prob=floor) for i in range(N_SAMPLES)]
+        prop = cascade.propose(reqs, sp)
+        assert prop.tokens[0] == [1, 2] and prop.probs[0] is None and prop.probs[1] is not None
+        return prop.tokens, prop.probs
+
+    first, second, lengths = _gated_outputs(propose, p, q1, q2, N_SAMPLES, seed=23)
+    assert cascade.stats() == {"drafted_by.lookup": N_SAMPLES // 2, "drafted_by.table": N_SAMPLES // 2}
+    assert lengths[1] > 0.1 * N_SAMPLES and lengths[2] > 0.5 * N_SAMPLES, lengths
+    ok1, z1 = _within_bound(p[0], first)
+    ok2, z2 = _within_bound(p[1], second)
+    assert ok1, f"first token off by {z1:.1f} sigma"
+    assert ok2, f"second token off by {z2:.1f} sigma"

@@ -1,0 +1,63 @@
+"""A cascade of drafters: per slot and step, the first member that is confident enough drafts.
+
+The members are tried in the configured order. A member's proposal for a slot is taken when it
+has at least `min_tokens` tokens; otherwise the slot falls through to the next member, and the
+last member's proposal is taken as it is. Each member is asked only for the slots still open,
+so a cheap member listed first (an n-gram lookup) spares the later, costlier ones (a model)
+every step it covers.
+
+Why this is worth an arm of its own: the SPIN policy chooses a drafter per request from what
+each drafter achieved on average, but an n-gram lookup's worth changes from step to step with
+the text (a copy task matches for a whole sentence, then not at all). Its own confidence gate
+knows this: it keeps l tokens only while its learned acceptance after a match of that length,
+raised to the l-th power, stays at or above the floor the policy sets. So "the lookup kept at
+least 2 tokens" marks the steps where it is likely right, and the model drafts the rest.
+
+The cascade proposes what one member proposed, with that member's q (None for a lookup), so
+it is exactly as lossless as its members. Members are configured drafters too: the loop admits
+and commits them itself, and a model member catches up on the steps it sat out.
+"""
+
+from __future__ import annotations
+
+from ..engine.sampling import SamplingParams
+from .base import Drafter, DraftRequest, Proposal
+
+
+class CascadeDrafter(Drafter):
+    kind = "cascade"
+
+    def __init__(self, name: str, members: dict[str, Drafter], min_tokens: int = 2):
+        super().__init__(name)
+        if len(members) < 2:
+            raise ValueError(f"cascade drafter {name!r} needs at least 2 members")
+        if min_tokens < 1:
+            raise ValueError(f"cascade drafter {name!r}: min_tokens must be >= 1, got {min_tokens}")
+        self.members = members
+        self.min_tokens = min_tokens
+        self.gates = all(m.gates for m in members.values())  # the floor reaches every member
+        self.counters = {f"drafted_by.{n}": 0 for n in members}
+
+    def propose(self, reqs: list[DraftRequest], sp: SamplingParams) -> Proposal:
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs: list = [None for _ in reqs]
+        open_ = list(range(len(reqs)))
+        last = len(self.members) - 1
+        for k, (name, member) in enumerate(self.members.items()):
+            if not open_:
+                break
+            prop = member.propose([reqs[i] for i in open_], sp)
+            still = []
+            for j, i in enumerate(open_):
+                draft = prop.tokens[j]
+                if len(draft) >= min(self.min_tokens, reqs[i].gamma) or k == last:
+                    tokens[i], probs[i] = draft, prop.probs[j]
+                    if draft:
+                        self.counters[f"drafted_by.{name}"] += 1
+                else:
+                    still.append(i)
+            open_ = still
+        return Proposal(tokens, probs)
+
+    def stats(self) -> dict[str, float]:
+        return dict(self.counters)
