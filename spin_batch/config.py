@@ -459,6 +459,15 @@ class NgramDrafterConfig:
         return cls(name=name, min_ngram=lo, max_ngram=hi)
 
 
+def _members(s: _Section) -> tuple[str, ...]:
+    """A composite drafter's `members`: at least 2 drafter names, none twice (which ones exist is
+    checked once every drafter is parsed, in _check_members)."""
+    members = s.take("members", _texts(nonempty=True))
+    if s.ok("members") and (len(set(members)) != len(members) or len(members) < 2):
+        s.errs.add(s.key_path("members"), f"needs at least 2 distinct drafters, got {list(members)}")
+    return members
+
+
 @dataclass(frozen=True, kw_only=True)
 class VoteDrafterConfig:
     """Collective drafting: a weighted majority vote over other drafters' proposals."""
@@ -470,9 +479,7 @@ class VoteDrafterConfig:
 
     @classmethod
     def _parse(cls, s: _Section, name: str) -> VoteDrafterConfig:
-        members = s.take("members", _texts(nonempty=True))
-        if s.ok("members") and len(set(members)) < 2:
-            s.errs.add(s.key_path("members"), f"needs at least 2 distinct drafters, got {list(members)}")
+        members = _members(s)
         beta = s.take("beta", _num(lambda x: 0 < x < 1, "in (0, 1)"))
         return cls(name=name, members=members, beta=beta)
 
@@ -488,9 +495,7 @@ class CascadeDrafterConfig:
 
     @classmethod
     def _parse(cls, s: _Section, name: str) -> CascadeDrafterConfig:
-        members = s.take("members", _texts(nonempty=True))
-        if s.ok("members") and (len(set(members)) != len(members) or len(members) < 2):
-            s.errs.add(s.key_path("members"), f"needs at least 2 distinct drafters, got {list(members)}")
+        members = _members(s)
         min_tokens = s.take("min_tokens", _int(lo=1, hi=32))
         return cls(name=name, members=members, min_tokens=min_tokens)
 

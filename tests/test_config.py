@@ -567,44 +567,45 @@ def test_direct_construction():
     assert job.drafter("e").kind == "early_exit"
 
 
-def test_vote_drafter_members_are_checked():
+@pytest.mark.parametrize("kind", ["vote", "cascade"])
+def test_composite_drafter_members_are_checked(kind):
     raw = minimal()
     raw["drafters"] = [
         {"name": "ng", "kind": "ngram"},
-        {"name": "v1", "kind": "vote", "members": ["ng", "missing"]},
-        {"name": "v2", "kind": "vote", "members": ["ng", "v1"], "beta": 1.5},
-        {"name": "v3", "kind": "vote", "members": ["ng", "ng"]},
+        {"name": "e", "kind": "early_exit", "layers": 1},
+        {"name": "c1", "kind": kind, "members": ["ng", "missing"]},
+        {"name": "c2", "kind": kind, "members": ["ng", "c1"]},
+        {"name": "c3", "kind": kind, "members": ["ng", "ng"]},
+        {"name": "c4", "kind": kind, "members": ["ng"]},
+        {"name": "c5", "kind": kind, "members": ["ng", "e", "ng"]},
     ]
     with pytest.raises(ConfigError) as e:
         parse_job(raw)
     msg = str(e.value)
-    assert "drafters[1].members: unknown drafter 'missing'" in msg
-    assert "drafters[2].members: 'v1' is a vote drafter" in msg
+    assert "drafters[2].members: unknown drafter 'missing'" in msg
+    assert f"drafters[3].members: 'c1' is a {kind} drafter" in msg
+    for i in (4, 5, 6):
+        assert f"drafters[{i}].members: needs at least 2 distinct drafters" in msg
+    assert "drafters[0]" not in msg and "drafters[1]" not in msg
+    raw["drafters"] = raw["drafters"][:2] + [{"name": "c", "kind": kind, "members": ["ng", "e"]}]
+    assert parse_job(raw).drafter("c").members == ("ng", "e")
+
+
+def test_composite_drafter_settings_are_checked():
+    raw = minimal()
+    raw["drafters"] = [
+        {"name": "ng", "kind": "ngram"}, {"name": "e", "kind": "early_exit", "layers": 1},
+        {"name": "v", "kind": "vote", "members": ["ng", "e"], "beta": 1.5},
+        {"name": "c", "kind": "cascade", "members": ["ng", "e"], "min_tokens": 0},
+    ]
+    with pytest.raises(ConfigError) as e:
+        parse_job(raw)
+    msg = str(e.value)
     assert "drafters[2].beta: must be a number in (0, 1)" in msg
-    assert "drafters[3].members: needs at least 2 distinct drafters" in msg
-
-
-def test_cascade_drafter_members_are_checked():
-    raw = minimal()
-    raw["drafters"] = [
-        {"name": "ng", "kind": "ngram"},
-        {"name": "c1", "kind": "cascade", "members": ["ng", "missing"]},
-        {"name": "c2", "kind": "cascade", "members": ["ng", "c1"], "min_tokens": 0},
-        {"name": "c3", "kind": "cascade", "members": ["ng", "ng"]},
-        {"name": "c4", "kind": "cascade", "members": ["ng"]},
-    ]
-    with pytest.raises(ConfigError) as e:
-        parse_job(raw)
-    msg = str(e.value)
-    assert "drafters[1].members: unknown drafter 'missing'" in msg
-    assert "drafters[2].members: 'c1' is a cascade drafter" in msg
-    assert "drafters[2].min_tokens" in msg
-    assert "drafters[3].members: needs at least 2 distinct drafters" in msg
-    assert "drafters[4].members: needs at least 2 distinct drafters" in msg
-    raw["drafters"] = [{"name": "ng", "kind": "ngram"}, {"name": "e", "kind": "early_exit", "layers": 1},
-                       {"name": "c", "kind": "cascade", "members": ["ng", "e"]}]
-    c = parse_job(raw).drafter("c")
-    assert c.members == ("ng", "e") and c.min_tokens == 2
+    assert "drafters[3].min_tokens" in msg
+    del raw["drafters"][2]["beta"], raw["drafters"][3]["min_tokens"]
+    job = parse_job(raw)
+    assert job.drafter("v").beta == 0.5 and job.drafter("c").min_tokens == 2
 
 
 def test_pipeline_switch_takes_yaml_on_off_as_written():
