@@ -536,6 +536,9 @@ class BanditPolicy(Policy):
         # nothing is learnt while nothing drafts, so the verdict stands until a slot leaves (or a while).
         self._drain_no: tuple[frozenset[int], int] | None = None
 
+    def on_stream(self) -> None:
+        self.draining, self._drain_no = False, None
+
     def on_drain(self) -> None:
         self.draining = True
 

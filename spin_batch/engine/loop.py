@@ -430,6 +430,7 @@ class BatchLoop:
         the one request read ahead: the loop reads one past a full batch, so that the policy
         learns at once when nothing is left to admit, see Policy.on_drain).
         """
+        self.policy.on_stream()  # one loop may run several streams (a Ray Data actor: one per batch)
         stream = iter(requests)
         held: Request | None = None  # read ahead to learn whether the stream is done; admitted first
         exhausted = False

@@ -52,6 +52,9 @@ class Policy:
     def on_admit(self, slot: int, req_id: str | None = None) -> None:
         """A new request took `slot` (req_id: its id, for policies keyed by request)."""
 
+    def on_stream(self) -> None:
+        """A new request stream starts (BatchLoop.run): what was learnt stays, the drain is over."""
+
     def on_drain(self) -> None:
         """The request stream is done: the slots in flight are the last ones (see BanditPolicy)."""
 

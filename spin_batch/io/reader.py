@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -333,17 +334,24 @@ def _parse_prompt(value: Any) -> str:
     return value
 
 
+def _value(values: Mapping[str, Any], key: str) -> Any:
+    """A field's value; a float NaN (how pandas, and Ray Data merging files with other columns,
+    spell a missing value) counts as missing."""
+    v = values.get(key)
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
 def _build_row(source: str, values: Mapping[str, Any], cols: _Columns) -> _Row:
     """Turn a row's field values into a Request; problems become an error request."""
     try:
-        row_id = _parse_id(values.get(cols.id))
+        row_id = _parse_id(_value(values, cols.id))
     except _BadRow as bad:
         return _Row(Request(source, None, None, None, bad.message), bad.kind)
     try:
-        messages = values.get(cols.messages)
+        messages = _value(values, cols.messages)
         if messages is not None:
             return _Row(Request(source, row_id, None, _parse_messages(messages)))
-        return _Row(Request(source, row_id, _parse_prompt(values.get(cols.prompt)), None))
+        return _Row(Request(source, row_id, _parse_prompt(_value(values, cols.prompt)), None))
     except _BadRow as bad:
         return _Row(Request(source, row_id, None, None, bad.message), bad.kind)
 
@@ -469,6 +477,25 @@ def _mark_duplicate(request: Request, seen_ids: set[str]) -> Request:
         return Request(request.source, request.id, None, None, f"duplicate id {request.id!r}")
     seen_ids.add(request.id)
     return request
+
+
+def requests_from_rows(
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    id_column: str = "id",
+    prompt_column: str = "prompt",
+    messages_column: str = "messages",
+    source_prefix: str = "",
+) -> list[Request]:
+    """Rows given as mappings (a batch handed over by Ray Data, say) -> requests, one per row.
+
+    The same checks as for a shard's rows: a bad row becomes an error request, and a repeated
+    id (within these rows) a "duplicate id" error. Row i's source is ``f"{source_prefix}#{i}"``.
+    """
+    cols = _Columns(id_column, prompt_column, messages_column)
+    seen: set[str] = set()
+    return [_mark_duplicate(_build_row(f"{source_prefix}#{i}", values, cols).request, seen)
+            for i, values in enumerate(rows)]
 
 
 def _check_positive(name: str, value: int | None, *, allow_none: bool, minimum: int) -> None:

@@ -1,0 +1,169 @@
+"""spin-batch as a Ray Data stage (spin_batch/ray_data.py), on the tiny random models.
+
+The predictor is checked directly (as a Ray actor calls it), against `spin-batch run` on the
+same rows; one test then runs it through a real local Ray cluster.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+import torch
+
+from spin_batch.config import ConfigError, parse_job
+from spin_batch.ray_data import RESULT_FIELDS, SpinBatchPredictor, generate, prepare_job
+from spin_batch.runner import run_job
+
+from conftest import write_jsonl
+
+PROMPTS = ["the quick brown fox", "list three colours", "def add(a, b):", "once upon a time there was",
+           "what causes the tides?", "compute 12 * 7", "rewrite this sentence"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rows(n: int, prefix: str = "r") -> list[dict]:
+    return [{"id": f"{prefix}{i:03d}", "prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}", "label": i} for i in range(n)]
+
+
+def job_mapping(model_dir, **spin) -> dict:
+    """A job as Ray users give it: no input.paths or output.dir."""
+    return {
+        "target": {"model": str(model_dir), "dtype": "float32", "device": "cpu"},
+        "drafters": [{"name": "ngram", "kind": "ngram"}],
+        "spin": {"selector": "ucb", "num_speculative_tokens": 3, **spin},
+        "batch": {"slots": 3, "max_model_len": 128, "max_num_batched_tokens": 64},
+        "sampling": {"temperature": 0.0, "max_tokens": 12, "seed": 0},
+    }
+
+
+def cli_texts(tmp_path, model_dir, data: list[dict]) -> dict[str, str]:
+    """The same rows through `spin-batch run`'s own path: id -> text."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{k: v for k, v in r.items() if k != "label"} for r in data])
+    raw = job_mapping(model_dir)
+    raw["input"] = {"paths": [str(src)]}
+    raw["output"] = {"dir": str(tmp_path / "out")}
+    run_job(parse_job(raw), progress=False)
+    import pyarrow.parquet as pq
+
+    table = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out" / "outputs").glob("*.parquet"))])
+    return {r["id"]: r["text"] for r in table.to_pylist()}
+
+
+def test_predictor_matches_spin_batch_run_and_keeps_rows_in_order(tmp_path, tiny_dir):
+    data = rows(10)
+    want = cli_texts(tmp_path, tiny_dir, data)
+    pred = SpinBatchPredictor(prepare_job(job_mapping(tiny_dir)))
+    out = pred(pa.Table.from_pylist(data[:6]))
+    out2 = pred({k: [r[k] for r in data[6:]] for k in data[0]})  # a dict of columns; the engine is reused
+    got = out.to_pylist() + out2.to_pylist()
+    assert [r["id"] for r in got] == [r["id"] for r in data]
+    assert [r["label"] for r in got] == list(range(10))  # input columns pass through
+    assert out.column_names == ["id", "prompt", "label"] + [f.name for f in RESULT_FIELDS]
+    for r in got:
+        assert r["status"] == "ok" and r["error"] is None, r
+        assert r["text"] == want[r["id"]], r["id"]
+        assert 1 <= r["completion_tokens"] <= 12
+    # the second batch was a stream of its own: its drain ended when the batch did
+    assert pred.engine.loop.policy.draining is True
+    pred.engine.loop.policy.on_stream()
+    assert pred.engine.loop.policy.draining is False
+
+
+def test_bad_rows_become_error_rows_and_the_batch_goes_on(tiny_dir):
+    pred = SpinBatchPredictor(prepare_job(job_mapping(tiny_dir)))
+    batch = [
+        {"id": "a", "prompt": "the quick brown fox", "messages": None},
+        {"id": None, "prompt": "no id", "messages": None},
+        {"id": "b", "prompt": "", "messages": None},
+        {"id": "a", "prompt": "the same id again", "messages": None},
+        {"id": "c", "prompt": "x " * 200, "messages": None},  # longer than max_model_len
+        {"id": "d", "prompt": None, "messages": [{"role": "user", "content": None}]},
+        {"id": "e", "prompt": "list three colours", "messages": None},
+    ]
+    got = pred(pa.Table.from_pylist(batch)).to_pylist()
+    assert [r["status"] for r in got] == ["ok", "error", "error", "error", "error", "error", "ok"]
+    errors = [r["error"] for r in got]
+    assert errors[1] == "missing id" and errors[2] == "empty prompt"
+    assert errors[3] == "duplicate id 'a'" and "max_model_len" in errors[4] and "content" in errors[5]
+    # a column of floats where every value is missing (NaN): how a merged dataset may spell "no messages"
+    nan = float("nan")
+    got = pred(pa.table({"id": ["f", "g"], "prompt": ["a prompt", None], "messages": [nan, nan]})).to_pylist()
+    assert [(r["status"], r["error"]) for r in got] == [("ok", None), ("error", "missing prompt")]
+    got = pred(pa.table({"id": [nan, 7.0], "prompt": ["x", "y"]})).to_pylist()
+    assert [r["error"] for r in got] == ["missing id", "id must be a string or integer, got float"]
+    assert all(r["text"] is None and r["finish_reason"] == "error" for r in got if r["status"] == "error")
+
+
+def test_clashing_columns_are_refused(tiny_dir):
+    pred = SpinBatchPredictor(prepare_job(job_mapping(tiny_dir)))
+    with pytest.raises(ValueError, match=r"\['text'\] clash"):
+        pred(pa.Table.from_pylist([{"id": "a", "prompt": "hi", "text": "already here"}]))
+
+
+def test_a_bad_job_fails_on_the_driver_before_any_model_loads(tmp_path, tiny_dir):
+    with pytest.raises(ConfigError, match="slotz"):
+        prepare_job({**job_mapping(tiny_dir), "batch": {"slotz": 3}})
+    bad = job_mapping(tiny_dir)
+    bad["drafters"] = [{"name": "d", "kind": "model", "model": str(tmp_path / "nowhere")}]
+    with pytest.raises(ValueError, match="drafters.d"):
+        prepare_job(bad)
+
+
+def test_relative_model_paths_are_made_absolute(tmp_path, tiny_dir, monkeypatch):
+    monkeypatch.chdir(tiny_dir.parent)
+    plain = prepare_job(job_mapping(tiny_dir.name))
+    assert plain["target"]["model"] == str(tiny_dir.resolve())
+    assert plain["input"]["paths"] and plain["output"]["dir"]  # placeholders, unused under Ray
+
+
+def test_generate_through_a_local_ray_cluster(tmp_path, tiny_dir):
+    import ray  # in the test extra: this test must run, not skip
+    data = rows(7)
+    want = cli_texts(tmp_path, tiny_dir, data)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        ds = ray.data.from_items(data)
+        with pytest.raises(ConfigError, match="no id column 'key'"):
+            generate(ds, {**job_mapping(tiny_dir), "input": {"id_column": "key"}})
+        got = generate(ds, job_mapping(tiny_dir), concurrency=1, num_cpus=1, batch_size=4).take_all()
+    finally:
+        ray.shutdown()
+    assert sorted(r["id"] for r in got) == [r["id"] for r in data]
+    for r in got:
+        assert r["status"] == "ok" and r["text"] == want[r["id"]], r
+        assert r["label"] == int(r["id"][1:])
+
+
+def test_the_repository_root_on_sys_path_does_not_hide_transformers_kernels():
+    """A Ray worker's sys.path holds the driver's working directory; started in the repository, it
+    would find our top-level kernels/ where transformers imports the PyPI package `kernels`."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import spin_batch
+
+    root = Path(spin_batch.__file__).resolve().parent.parent
+    code = ("import sys; sys.path.insert(0, {root!r}); import spin_batch; "
+            "from transformers import LlamaConfig; import kernels; print(kernels.__file__)").format(root=str(root))
+    proc = subprocess.run([sys.executable, "-P", "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not proc.stdout.strip().startswith(str(root / "kernels")), proc.stdout
+    # Without the guard the same path breaks the import, where transformers uses the PyPI package (it
+    # does from transformers 5 on): so this test sees the guard's work, not an environment without the clash.
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("kernels")
+    except PackageNotFoundError:
+        return
+    bare = "import sys; sys.path.insert(0, {root!r}); from transformers import LlamaConfig".format(root=str(root))
+    proc = subprocess.run([sys.executable, "-P", "-c", bare], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "kernels" in proc.stderr
