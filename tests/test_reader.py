@@ -239,6 +239,10 @@ BAD_ROWS = [
     (b'{"id": "g4", "messages": [{"role": "user"}]}', "messages[0].content must be a string", "g4"),
     (b'{"id": "g5", "messages": [{"content": "x"}]}', "messages[0].role", "g5"),
     (b'{"id": "g6", "messages": [{"role": "user", "content": 3}]}', "messages[0].content", "g6"),
+    # JSON escapes can spell lone surrogates, which are not Unicode text (a tokenizer raises on them)
+    (b'{"id": "s1", "prompt": "bad \\ud800 here"}', "prompt holds a lone surrogate ('\\ud800' at character 4)", "s1"),
+    (b'{"id": "s\\udc00", "prompt": "x"}', "id holds a lone surrogate", None),
+    (b'{"id": "s2", "messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content holds a lone", "s2"),
 ]
 
 
@@ -267,6 +271,21 @@ def test_parquet_bad_rows(tmp_path: Path) -> None:
         {"id": ["a", None, "", "d"], "prompt": ["x", "y", "z", "   "]},
     )
     assert [r.error for r in all_requests(path)] == [None, "missing id", "empty id", "empty prompt"]
+
+
+def test_parquet_strings_that_are_not_utf8_become_error_rows(tmp_path: Path) -> None:
+    """Parquet stores strings as bytes it does not check; pyarrow fails a whole batch on one bad value."""
+    path = tmp_path / "bytes.parquet"
+    raw = pa.array([b"ok", b"bad \xff here", b"fine", b"\xfe"], type=pa.binary())
+    ids = pa.array([b"a", b"b", b"c\xff", b"d"], type=pa.binary())
+    pq.write_table(pa.table({"id": ids.cast(pa.string(), safe=False), "prompt": raw.cast(pa.string(), safe=False)}), path)
+    got = all_requests(path)
+    assert [(r.id, r.error) for r in got] == [
+        ("a", None),
+        ("b", "invalid UTF-8 in column 'prompt' at byte 4"),
+        (None, "invalid UTF-8 in column 'id' at byte 1"),
+        ("d", "invalid UTF-8 in column 'prompt' at byte 0"),
+    ]
 
 
 # --------------------------------------------------------------------------

@@ -289,6 +289,17 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def _unicode(text: str, what: str) -> str:
+    """`text`, if it is valid Unicode: JSON's \\ud800-style escapes can spell a lone surrogate, which
+    no tokenizer or Parquet file takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _BadRow("invalid unicode", f"{what} holds a lone surrogate ({text[exc.start]!a} at character "
+                                         f"{exc.start}), which is not valid Unicode text") from None
+    return text
+
+
 def _parse_id(value: Any) -> str:
     """Return the id as a string; ints are converted, bools are rejected."""
     if value is None:
@@ -298,7 +309,7 @@ def _parse_id(value: Any) -> str:
     text = value if isinstance(value, str) else str(value)
     if not text.strip():
         raise _BadRow("empty id", "empty id")
-    return text
+    return _unicode(text, "id")
 
 
 def _parse_message(index: int, item: Any) -> dict:
@@ -311,6 +322,8 @@ def _parse_message(index: int, item: Any) -> dict:
         raise _BadRow("bad messages", f"{where}.role must be a non-empty string, got {role!r}")
     if not isinstance(content, str):
         raise _BadRow("bad messages", f"{where}.content must be a string, got {_type_name(content)}")
+    _unicode(role, f"{where}.role")
+    _unicode(content, f"{where}.content")
     return {key: value for key, value in item.items() if value is not None}
 
 
@@ -331,7 +344,7 @@ def _parse_prompt(value: Any) -> str:
         raise _BadRow("bad prompt type", f"prompt must be a string, got {_type_name(value)}")
     if not value.strip():
         raise _BadRow("empty prompt", "empty prompt")
-    return value
+    return _unicode(value, "prompt")
 
 
 def _value(values: Mapping[str, Any], key: str) -> Any:
@@ -341,12 +354,29 @@ def _value(values: Mapping[str, Any], key: str) -> Any:
     return None if isinstance(v, float) and math.isnan(v) else v
 
 
+class _NotUtf8:
+    """A Parquet string value whose bytes are not UTF-8 (pyarrow cannot turn it into a str)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+
 def _build_row(source: str, values: Mapping[str, Any], cols: _Columns) -> _Row:
     """Turn a row's field values into a Request; problems become an error request."""
+    def not_utf8(row_id: str | None, key: str, v: _NotUtf8) -> _Row:
+        return _Row(Request(source, row_id, None, None, f"invalid UTF-8 in column {key!r} at byte {v.at}"),
+                    "invalid UTF-8")
+
+    raw_id = _value(values, cols.id)
+    if isinstance(raw_id, _NotUtf8):
+        return not_utf8(None, cols.id, raw_id)
     try:
-        row_id = _parse_id(_value(values, cols.id))
+        row_id = _parse_id(raw_id)
     except _BadRow as bad:
         return _Row(Request(source, None, None, None, bad.message), bad.kind)
+    for key in (cols.prompt, cols.messages):
+        if isinstance(v := values.get(key), _NotUtf8):
+            return not_utf8(row_id, key, v)
     try:
         messages = _value(values, cols.messages)
         if messages is not None:
@@ -431,7 +461,22 @@ def _parquet_batches(path: Path, parquet_file: pq.ParquetFile, columns: list[str
             return
         except (OSError, pa.ArrowException) as exc:
             raise InputError(f"{path}: error while reading Parquet data: {exc}") from exc
-        yield {name: batch.column(name).to_pylist() for name in columns}
+        yield {name: _column_values(batch.column(name)) for name in columns}
+
+
+def _column_values(column: pa.Array) -> list:
+    """A column's values; a value with bytes that are not UTF-8 becomes _NotUtf8 (its row an error row)."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    values = []
+    for i in range(len(column)):
+        try:
+            values.append(column[i].as_py())
+        except UnicodeDecodeError as exc:
+            values.append(_NotUtf8(exc.start))
+    return values
 
 
 def _iter_parquet(path: Path, cols: _Columns, batch_rows: int) -> Iterator[_Row]:
