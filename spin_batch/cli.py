@@ -48,7 +48,7 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress):
     from .models.cpu_gemm import CpuGemmUnavailable
     from .models.loader import ModelNotFoundError
     from .models.llama import UnsupportedModelError
-    from .runner import StopFlag, check_models, run_job
+    from .runner import RunLocked, StopFlag, check_models, run_job
 
     job = _load(job_path, overrides)
     stop = StopFlag()
@@ -59,7 +59,10 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress):
             raise click.ClickException("invalid job:\n" + "\n".join(f"  {p}" for p in problems))
         result = run_job(job, shard_index=shard_index, num_shards=num_shards, limit=limit,
                          progress=not no_progress, stop=stop)
-    except (InputError, ModelNotFoundError, UnsupportedModelError, CpuGemmUnavailable, ValueError) as e:
+    except RunLocked as e:  # not a failure of this job: EX_TEMPFAIL, so a cron wrapper can tell
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(75)
+    except (InputError, ModelNotFoundError, UnsupportedModelError, CpuGemmUnavailable, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     s = result.summary
     click.echo(

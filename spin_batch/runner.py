@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -31,7 +33,8 @@ from .drafters.vote import VoteDrafter
 from .engine.loop import BatchLoop, LoopSettings
 from .engine.policy import make_policy
 from .engine.sampling import SamplingParams
-from .io.reader import Request, check_input, iter_requests, list_shards, shard_defaults_from_env
+from .io.reader import (Request, assign, check_columns, check_input, iter_requests, list_shards,
+                        shard_defaults_from_env)
 from .io.writer import OutputWriter, StatsWriter, cleanup_temp, make_run_id, read_done, write_json_atomic
 from .models import loader
 from .models.draft import TargetFeatures, check_pairing, draft_meta, load_draft
@@ -42,8 +45,21 @@ from .stats import RunStats
 # -- checks that need no weights -------------------------------------------------------
 
 
+def check_output(job: JobConfig) -> list[str]:
+    """Whether output.dir can be a directory (it, or a folder above it, may be a file)."""
+    out = Path(job.output.dir)
+    for p in (out, *out.parents):
+        if p.exists():
+            return [] if p.is_dir() else [f"output.dir: {p} exists and is not a directory"]
+    return []
+
+
 def check_models(job: JobConfig) -> list[str]:
-    """Model-level problems of a job: missing models, early-exit depth, tokenizer mismatch."""
+    """Model-level problems of a job: the device, missing models, early-exit depth, tokenizer mismatch."""
+    try:
+        loader.resolve_device(job.target.device)
+    except RuntimeError as e:
+        return [f"target.device: {e}"]
     problems = loader.check_model_ref(job.target.model)
     if problems:
         return problems
@@ -65,8 +81,13 @@ def check_models(job: JobConfig) -> list[str]:
             draft_dir = loader.resolve_model_dir(d.model)
             if loader.load_tokenizer(draft_dir).get_vocab() != target_vocab:
                 problems.append(f"drafters.{d.name}: tokenizer of {d.model} does not match the target's tokenizer")
-            elif (why := check_pairing(draft_dir, target_dir)) is not None:
-                problems.append(f"drafters.{d.name}: {why}")
+            else:
+                try:
+                    why = check_pairing(draft_dir, target_dir)
+                except ValueError as e:  # the target is no model a draft can pair with (a draft's own folder)
+                    why = str(e)
+                if why is not None:
+                    problems.append(f"drafters.{d.name}: {why}")
     return problems
 
 
@@ -78,6 +99,7 @@ def validate_job(job: JobConfig, check_models_too: bool = True) -> list[str]:
         return [str(e)]
     problems = check_input(shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
                            messages_column=job.input.messages_column)
+    problems += check_output(job)
     if check_models_too:
         problems += check_models(job)
     return problems
@@ -261,10 +283,28 @@ def run_job(
         env_index, env_count = shard_defaults_from_env()
         shard_index = env_index if shard_index is None else shard_index
         num_shards = env_count if num_shards is None else num_shards
+    # everything that can be checked without weights is, before any model loads
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"--limit must be an integer >= 0, got {limit!r}")
     shards = list_shards(job.input.paths, job.input.format)
+    mine, _ = assign(shards, shard_index, num_shards)
+    check_columns(mine, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
+                  messages_column=job.input.messages_column)
+    problems = check_output(job)
+    if problems:
+        raise ValueError(problems[0])
     out = Path(job.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     worker = f"w{shard_index:04d}"
+    lock = RunLock(out, worker)  # a second run of this worker stops here while this one goes on
+    try:
+        return _run_locked(job, out, worker, shards, shard_index, num_shards, limit, progress, stop, engine)
+    finally:
+        lock.release()
+
+
+def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shard_index: int, num_shards: int,
+                limit: int | None, progress: bool, stop: StopFlag | None, engine: Engine | None) -> RunResult:
     cleanup_temp(out, worker=worker)
     done_sources, _ = read_done(out)
     run_id = make_run_id()
@@ -325,8 +365,44 @@ def run_job(
     return RunResult(summary, stop.signum)
 
 
+class RunLocked(RuntimeError):
+    """Another run of the same job and worker holds the output directory."""
+
+
+class RunLock:
+    """An exclusive lock per output directory and worker, so cron or a requeued Slurm task starting a
+    second run while the first one is still going cannot decode (and write) every row twice.
+
+    flock on OUT/.lock-<worker>: the kernel drops it when the process ends, kill -9 included, so a
+    stale lock file never blocks a resume. (On NFS, flock works where the mount supports locks.)
+    """
+
+    def __init__(self, out: Path, worker: str):
+        import fcntl
+
+        self.path = out / f".lock-{worker}"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self.fd)
+            raise RunLocked(f"another run of this job (worker {worker}) is still going: {holder}; it holds "
+                            f"{self.path}. Wait for it to finish or stop it; rerunning then resumes.") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                  .encode(), 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the flock
+            self.fd = None
+
+
 def _progress(enabled: bool, limit: int | None, already: int):
     from tqdm import tqdm
 
-    return tqdm(total=limit, initial=0, unit="row", desc="spin-batch", disable=not enabled, dynamic_ncols=True,
-                postfix=f"{already} done earlier" if already else None)
+    # Into a log file (Slurm, cron) a bar redrawn ten times a second is noise: there it redraws once a minute.
+    tty = sys.stderr.isatty()
+    return tqdm(total=limit, initial=0, unit="row", desc="spin-batch", disable=not enabled, dynamic_ncols=tty,
+                mininterval=0.1 if tty else 60.0, postfix=f"{already} done earlier" if already else None)

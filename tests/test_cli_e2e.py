@@ -349,7 +349,12 @@ def test_resume_after_kill_9_loses_and_duplicates_nothing(tmp_path, tiny_dir):
     proc, _, stderr = start_run(job, tmp_path)
     try:
         wait_for_parts(proc, out, 2, stderr)
-        assert proc.poll() is None, "the run finished before it could be killed"
+        # cron firing again while the first run goes on: the second run stops at the lock, writes nothing
+        second = invoke("run", job, "--no-progress")
+        assert proc.poll() is None, "the run finished before a second one could be started beside it"
+        assert second.exit_code == 75, _describe(second)
+        assert "another run of this job (worker w0000) is still going: pid" in second.output
+        assert "rows_ok" not in second.output and not (out / "summary.json").exists()
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:
@@ -360,7 +365,7 @@ def test_resume_after_kill_9_loses_and_duplicates_nothing(tmp_path, tiny_dir):
     assert 1 <= len(partial) < RESUME_ROWS, "kill -9 did not interrupt the run"
     assert not (out / "summary.json").exists()
 
-    run_ok(job)
+    run_ok(job)  # the killed run's lock went with its process
     resumed = assert_each_id_once(out, ids)
     assert not temp_files(out)
     summary = read_summary(out)
@@ -594,6 +599,54 @@ def test_unknown_key_fails_before_any_model_loads(tmp_path):
     # Without the config error, the missing model is what gets reported.
     result = invoke("run", good)
     assert result.exit_code != 0 and "no-such-model" in result.output, _describe(result)
+
+
+def test_bad_run_arguments_and_outputs_fail_before_any_model_loads(tmp_path, tiny_dir, monkeypatch):
+    """Shard flags, --limit, a Parquet shard without the columns, and an output.dir that is a file are
+    all reported before the engine is built, and leave nothing behind."""
+    import spin_batch.runner as runner
+
+    def no_engine(*a, **k):
+        raise AssertionError("the engine was built before the arguments were checked")
+
+    monkeypatch.setattr(runner, "build_engine", no_engine)
+    src = write_jsonl(tmp_path / "in" / "prompts.jsonl", prompt_rows(3))
+    job, out = make_job(tmp_path, tiny_dir, [src])
+    for args, message in [
+        (("--shard-index", "5", "--num-shards", "2"), "shard_index must be in [0, 2), got 5"),
+        (("--shard-index", "-1", "--num-shards", "2"), "shard_index must be in [0, 2), got -1"),
+        (("--num-shards", "0"), "num_shards must be >= 1, got 0"),
+        (("--limit", "-3"), "--limit must be an integer >= 0, got -3"),
+    ]:
+        result = invoke("run", job, "--no-progress", *args)
+        assert result.exit_code == 1 and message in result.output, _describe(result)
+    no_prompt = tmp_path / "in" / "ids-only.parquet"
+    pq.write_table(pa.table({"id": ["a"], "text": ["x"]}), no_prompt)
+    late, late_out = make_job(tmp_path, tiny_dir, [src, no_prompt], name="late")  # the bad file comes second
+    result = invoke("run", late, "--no-progress")
+    assert result.exit_code == 1 and "needs a prompt column 'prompt'" in result.output, _describe(result)
+    assert not out.exists() and not late_out.exists()
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    for target in (blocker, blocker / "below"):
+        bad, _ = make_job(tmp_path, tiny_dir, [src], name="blocked", output={"dir": str(target)})
+        for command in ("validate", "run"):
+            result = invoke(command, bad)
+            assert result.exit_code == 1, _describe(result)
+            assert f"output.dir: {blocker} exists and is not a directory" in result.output, _describe(result)
+
+
+def test_a_device_that_is_not_there_is_a_job_problem(tmp_path, tiny_dir):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    src = write_jsonl(tmp_path / "in" / "prompts.jsonl", prompt_rows(2))
+    job, out = make_job(tmp_path, tiny_dir, [src], target={"device": "cuda"})
+    for command in ("validate", "run"):
+        result = invoke(command, job)
+        assert result.exit_code == 1, _describe(result)
+        assert "target.device: device 'cuda' requested but CUDA is not available" in result.output
+    assert not out.exists()
 
 
 # --------------------------------------------------------------------------

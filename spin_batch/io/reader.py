@@ -663,6 +663,16 @@ class _InputReport:
         return problems
 
 
+def check_columns(shards: list[Path], *, id_column: str = "id", prompt_column: str = "prompt",
+                  messages_column: str = "messages") -> None:
+    """Check every Parquet shard's columns from its metadata (no rows read), so a run fails before it
+    starts rather than at the file; JSONL has no schema to check. Raises InputError."""
+    cols = _Columns(id_column, prompt_column, messages_column)
+    for path in shards:
+        if _file_format(Path(path)) == "parquet":
+            _open_parquet(Path(path).resolve(), cols)
+
+
 def check_input(
     shards: list[Path],
     *,
