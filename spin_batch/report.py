@@ -25,9 +25,17 @@ def load(out_dir: Path) -> dict:
                 key, name = col.split(".", 1)
                 drafters[name][key] += float(stats[col].fill_null(0).sum())
     gen = float(outputs["completion_tokens"].sum()) if rows else 0.0
-    run_time = sum(s.get("wall_time_s", 0.0) for s in summaries)
-    if not summaries and stats.height:  # still running: the stats intervals so far
+    # Every run writes parts of its own (part-/stats-<worker>-<run id>-<seq>), and each summary-*.json holds
+    # its worker's last run only: runs are counted from the parts, and decode time and throughput come from
+    # the stats intervals of all runs (a run killed with -9 loses its last interval, up to stats_interval_s).
+    parts = [*(out_dir / "outputs").glob("part-*.parquet"), *(out_dir / "stats").glob("stats-*.parquet")]
+    runs = {tuple(p.name.split("-")[1:3]) for p in parts}  # (worker, run id)
+    if stats.height:
         run_time = float(stats["interval_s"].sum())
+        tokens = float(stats["generated_tokens"].sum())
+    else:
+        run_time = sum(s.get("wall_time_s", 0.0) for s in summaries)
+        tokens = sum(s.get("generated_tokens", 0) for s in summaries)
     return {
         "out_dir": str(out_dir),
         "rows": rows,
@@ -35,10 +43,10 @@ def load(out_dir: Path) -> dict:
         "finish_reason": finish,
         "completion_tokens": int(gen),
         "prompt_tokens": int(outputs["prompt_tokens"].sum()) if rows else 0,
-        "runs": len(summaries),
+        "runs": max(len(runs), len(summaries)),
         "finished": bool(summaries) and all(s.get("finished") for s in summaries),
         "decode_time_s": run_time,
-        "tokens_per_s": sum(s.get("generated_tokens", 0) for s in summaries) / run_time if run_time else None,
+        "tokens_per_s": tokens / run_time if run_time else None,
         "drafters": {k: dict(v) for k, v in drafters.items()},
         "stats": stats,
     }

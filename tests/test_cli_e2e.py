@@ -373,6 +373,14 @@ def test_resume_after_kill_9_loses_and_duplicates_nothing(tmp_path, tiny_dir):
     assert summary["rows_skipped_as_done"] == len(partial)
     assert summary["rows_ok"] == RESUME_ROWS - len(partial)
 
+    # the report counts both runs, and the tokens and time of both (summary.json holds the last run only)
+    report = invoke("report", out)
+    assert report.exit_code == 0, _describe(report)
+    assert "runs: 2 (finished)" in report.output, report.output
+    decode = float(report.output.split("decode time ")[1].split("s")[0])
+    stats = pa.concat_tables([pq.read_table(p) for p in sorted((out / "stats").glob("*.parquet"))])
+    assert decode == pytest.approx(sum(stats.column("interval_s").to_pylist()), abs=0.06)
+
     ref_job, ref_out = make_job(tmp_path, tiny_dir, [src], name="reference", **RESUME_SECTIONS)
     run_ok(ref_job)
     reference = assert_each_id_once(ref_out, ids)
