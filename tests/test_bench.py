@@ -123,6 +123,13 @@ def test_ratios_pair_runs_of_the_same_repeat():
     assert bench.paired_ratio(spin, ar) == pytest.approx(1.2)
     assert bench.paired_ratio(spin, ar[:1]) == pytest.approx(1.2)  # only repeats both have
     assert bench.paired_ratio(spin, []) is None
+    # the table gives the spread of those ratios beside their median, and the markdown shows it
+    spin[1] = run("spin", 1, 40)  # 0.8x in the slow repeat
+    rows = {r["method"]: r for r in bench.table(ar + spin)}
+    assert rows["spin"]["ratio_vs_autoregressive"] == pytest.approx(1.2)
+    assert (rows["spin"]["ratio_vs_autoregressive_min"], rows["spin"]["ratio_vs_autoregressive_max"]) == \
+        pytest.approx((0.8, 1.2))
+    assert "| spin | 1 | 120.0 | 1.20x | 0.80-1.20 |" in bench.markdown(list(rows.values()))
 
 
 def test_the_oracle_is_run_with_each_request_on_its_hindsight_method(runs):
