@@ -389,6 +389,10 @@ class RunLock:
             os.close(self.fd)
             raise RunLocked(f"another run of this job (worker {worker}) is still going: {holder}; it holds "
                             f"{self.path}. Wait for it to finish or stop it; rerunning then resumes.") from None
+        except OSError as e:  # a file system without locks (some NFS mounts): run unguarded, and say so
+            print(f"spin-batch: warning: cannot lock {self.path} ({e.strerror or e}); a second run of this "
+                  "worker started meanwhile would not be stopped", file=sys.stderr)
+            return
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
                   .encode(), 0)

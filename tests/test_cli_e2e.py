@@ -390,6 +390,28 @@ def test_resume_after_kill_9_loses_and_duplicates_nothing(tmp_path, tiny_dir):
             reference[i]["text"], reference[i]["completion_tokens"]), i
 
 
+def test_run_lock_is_per_worker_released_on_close_and_skipped_where_locks_fail(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    from spin_batch.runner import RunLock, RunLocked
+
+    first = RunLock(tmp_path, "w0000")
+    other = RunLock(tmp_path, "w0001")  # another worker of the same job: its own lock
+    with pytest.raises(RunLocked, match=r"worker w0000\) is still going: pid %d on " % os.getpid()):
+        RunLock(tmp_path, "w0000")
+    first.release()
+    RunLock(tmp_path, "w0000").release()
+    other.release()
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    RunLock(tmp_path, "w0000").release()
+    assert "cannot lock" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------
 # 4. SIGTERM: graceful stop, then resume
 # --------------------------------------------------------------------------
