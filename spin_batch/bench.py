@@ -215,6 +215,13 @@ def is_llamacpp(method: str) -> bool:
     return method.startswith("llamacpp:")
 
 
+def is_other_engine(method: str) -> bool:
+    """Another implementation run for reference (llama.cpp, transformers' generate): other kernels round
+    differently, and generate does not apply sampling.stop, so their outputs are compared but not required
+    to match (see agreement)."""
+    return is_llamacpp(method) or method == "hf_generate"
+
+
 def check_methods(methods: list[str], job: JobConfig) -> None:
     """Rejects unknown methods, and llamacpp ones when llama-cpp-python is missing, before any model loads."""
     from . import llamacpp
@@ -351,7 +358,7 @@ def mismatches(runs: list[MethodRun]) -> list[str]:
     ref = _autoregressive_by_run(runs)
     for r in runs:
         base = ref.get((r.slots, r.repeat))
-        if base is None or r is base or is_llamacpp(r.method):  # another engine's rounding: see agreement()
+        if base is None or r is base or is_other_engine(r.method):  # see agreement()
             continue
         for i, want in base.tokens.items():
             got = r.tokens.get(i)
@@ -363,11 +370,11 @@ def mismatches(runs: list[MethodRun]) -> list[str]:
 
 
 def agreement(runs: list[MethodRun]) -> list[str]:
-    """How far each llamacpp method's greedy outputs agree with autoregressive, per slots, over all repeats:
+    """How far each other engine's greedy outputs agree with autoregressive, per slots, over all repeats:
     identical outputs, and the share of our tokens before its first difference."""
     ref = _autoregressive_by_run(runs)
     out = []
-    for method, slots in sorted({(r.method, r.slots) for r in runs if is_llamacpp(r.method)}):
+    for method, slots in sorted({(r.method, r.slots) for r in runs if is_other_engine(r.method)}):
         same = total = prefix = tokens = 0
         for r in runs:
             base = ref.get((r.slots, r.repeat))
@@ -530,10 +537,15 @@ def write_results(runs: list[MethodRun], out: Path) -> dict[str, Path]:
         parts.append("CUDA graphs (the target's decode and verify forwards):\n" + "\n".join(f"- {x}" for x in graphs))
     agree = agreement(runs)
     if agree:
-        parts.append("llama.cpp (other kernels, other rounding; not required to match):\n"
-                     + "\n".join(f"- {x}" for x in agree))
-    parts.append(f"{len(bad)} greedy mismatches:\n" + "\n".join(f"- {b}" for b in bad) if bad
-                 else "Greedy outputs identical to autoregressive for every method and id.")
+        parts.append("Other engines (other kernels and rounding; hf_generate ignores sampling.stop; compared, "
+                     "not required to match):\n" + "\n".join(f"- {x}" for x in agree))
+    checked = [r for r in runs if not is_other_engine(r.method) and r.method != "autoregressive"]
+    if not _autoregressive_by_run(runs):
+        parts.append("No autoregressive run, so no output was compared (add `autoregressive` to --methods).")
+    elif bad:
+        parts.append(f"{len(bad)} greedy mismatches:\n" + "\n".join(f"- {b}" for b in bad))
+    elif checked:
+        parts.append("Greedy outputs identical to autoregressive for every method and id.")
     md = "\n\n".join(parts)
     paths["markdown"].write_text(md + "\n")
     paths.update(plot_bench(rows, runs, out))

@@ -93,7 +93,8 @@ def validate(job_path, overrides, no_models):
 @click.argument("job_path", metavar="JOB.yaml", type=click.Path(dir_okay=False))
 @set_option
 @click.option("--methods", default=None,
-              help="Comma-separated methods (default: hf_generate, autoregressive, fixed:<each drafter>, oracle).")
+              help="Comma-separated methods (default: hf_generate, autoregressive, fixed:<each drafter>, spin, "
+                   "spin-nopipe, oracle).")
 @click.option("--slots", "slots_csv", default="1,4,16", show_default=True, help="Comma-separated slot counts.")
 @click.option("--limit", type=int, default=32, show_default=True, help="Prompts taken from the job's input.")
 @click.option("--repeat", type=int, default=3, show_default=True, help="Repeats per method; medians are reported.")
@@ -110,23 +111,32 @@ def bench(job_path, overrides, methods, slots_csv, limit, repeat, out_dir, promp
 
     from . import bench as b
 
+    from .runner import check_models, dir_problem
+
     job = _load(job_path, overrides)
     method_list = [m.strip() for m in methods.split(",")] if methods else b.default_methods(job)
+    out = Path(out_dir or Path(job.output.dir) / "bench")
     try:
         slots = [int(x) for x in slots_csv.split(",")]
         b.check_methods(method_list, job)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    problems = [f"--slots must be >= 1, got {s}" for s in slots if s < 1]
+    problems += [f"--{name} must be >= {lo}, got {v}" for name, v, lo in
+                 (("repeat", repeat, 1), ("limit", limit, 1), ("warmup", warmup, 0)) if v is not None and v < lo]
+    problems += [f"--out: {p}" for p in dir_problem(out)] + check_models(job)
+    if problems:  # before any model loads, and before the timed runs rather than after them
+        raise click.ClickException("\n".join(problems))
     try:
         runs = b.run_bench(job, method_list, slots, limit, repeat, progress=not no_progress, prompts=prompts,
                            warmup=warmup)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    paths = b.write_results(runs, Path(out_dir or Path(job.output.dir) / "bench"))
+    paths = b.write_results(runs, out)
     click.echo(paths["markdown"].read_text())
     for name, p in paths.items():
         click.echo(f"{name}: {p}", err=True)
-    if b.mismatches([r for r in runs if r.method != "hf_generate"]):
+    if b.mismatches(runs):
         sys.exit(1)
 
 
@@ -143,7 +153,12 @@ def report(out_dir, png):
     if not info["rows"] and not info["runs"]:
         raise click.ClickException(f"{out_dir}: no outputs or summaries yet")
     click.echo(r.text_table(info))
-    path = r.plot(info, Path(png) if png else Path(out_dir) / "report.png")
+    png = Path(png) if png else Path(out_dir) / "report.png"
+    try:
+        png.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise click.ClickException(f"--png: cannot create {png.parent}: {e.strerror or e}") from None
+    path = r.plot(info, png)
     if path:
         click.echo(f"plot: {path}", err=True)
 
@@ -231,6 +246,17 @@ def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_t
     problems = check_model_ref(target)
     if problems:
         raise click.ClickException("\n".join(problems))
+    from .models.loader import read_spec, resolve_device, resolve_model_dir
+
+    try:
+        resolve_device(device)
+    except RuntimeError as e:  # CUDA asked for and absent, or no such device type
+        raise click.ClickException(f"--device: {e}") from None
+    vocab_size = read_spec(resolve_model_dir(target)).vocab_size
+    too_big = [f"{a.name}: {a.vocab or vocab} head ids" for a in archs if (a.vocab or vocab) > vocab_size]
+    if too_big:
+        raise click.ClickException(f"the target's vocabulary has {vocab_size} ids; a draft's head cannot keep more "
+                                   f"({', '.join(too_big)}; see --sizes and --vocab)")
     settings = DistillSettings(
         target=target, prompts=tuple(prompts), out=Path(out_dir), sizes=archs, heldout=tuple(heldout),
         max_tokens=max_tokens, slots=slots, vocab=vocab, topk=topk, device=device, save_dtype=save_dtype,

@@ -45,13 +45,17 @@ from .stats import RunStats
 # -- checks that need no weights -------------------------------------------------------
 
 
-def check_output(job: JobConfig) -> list[str]:
-    """Whether output.dir can be a directory (it, or a folder above it, may be a file)."""
-    out = Path(job.output.dir)
-    for p in (out, *out.parents):
+def dir_problem(path: Path) -> list[str]:
+    """Why `path` cannot be made a directory (it, or a folder above it, is a file), if it cannot."""
+    for p in (path, *path.parents):
         if p.exists():
-            return [] if p.is_dir() else [f"output.dir: {p} exists and is not a directory"]
+            return [] if p.is_dir() else [f"{p} exists and is not a directory"]
     return []
+
+
+def check_output(job: JobConfig) -> list[str]:
+    """Whether output.dir can be a directory."""
+    return [f"output.dir: {p}" for p in dir_problem(Path(job.output.dir))]
 
 
 def check_models(job: JobConfig) -> list[str]:

@@ -87,6 +87,58 @@ def test_bench_cli_rejects_unknown_method(job, tmp_path):
     assert res.exit_code != 0 and "unknown bench method 'fixed:nope'" in res.output
 
 
+def _job_file(job, tmp_path, **changes):
+    import yaml
+
+    from spin_batch.config import job_to_dict
+
+    raw = job_to_dict(job)
+    raw.update(changes)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    return cfg
+
+
+def test_bench_cli_checks_everything_before_any_model_loads(job, tmp_path, monkeypatch):
+    def no_runs(*a, **k):
+        raise AssertionError("the bench ran before its arguments were checked")
+
+    monkeypatch.setattr(bench, "run_bench", no_runs)
+    cfg = _job_file(job, tmp_path)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for args, message in [
+        (["--slots", "0"], "--slots must be >= 1, got 0"),
+        (["--slots", "1,-2"], "--slots must be >= 1, got -2"),
+        (["--repeat", "0"], "--repeat must be >= 1, got 0"),
+        (["--limit", "0"], "--limit must be >= 1, got 0"),
+        (["--out", str(afile)], f"--out: {afile} exists and is not a directory"),
+        (["--out", str(afile / "below")], f"--out: {afile} exists and is not a directory"),
+    ]:
+        res = CliRunner().invoke(main, ["bench", str(cfg), "--methods", "autoregressive", *args])
+        assert res.exit_code == 1 and message in res.output, (args, res.output)
+    drafters = [{"name": "dm", "kind": "model", "model": str(tmp_path / "no-draft")}]
+    res = CliRunner().invoke(main, ["bench", str(_job_file(job, tmp_path, drafters=drafters))])
+    assert res.exit_code == 1 and "drafters.dm" in res.output, res.output
+
+
+def test_bench_says_when_nothing_was_compared_and_other_engines_do_not_fail_it(runs, tmp_path):
+    no_ar = [r for r in runs if r.method != "autoregressive"]
+    md = bench.write_results(no_ar, tmp_path / "a")["markdown"].read_text()
+    assert "No autoregressive run, so no output was compared" in md and "identical" not in md.split("\n")[-1]
+    victim = next(r for r in runs if r.method == "hf_generate")
+    rid = next(iter(victim.tokens))
+    saved = victim.tokens[rid]
+    victim.tokens[rid] = saved[:1]  # as if generate had stopped early
+    try:
+        assert bench.mismatches(runs) == []  # the exit code's rule: another engine never fails the run
+        md = bench.write_results(runs, tmp_path / "b")["markdown"].read_text()
+        assert "hf_generate slots=1: 9/10 outputs identical to autoregressive" in md  # 2 repeats of 5
+        assert "Greedy outputs identical to autoregressive for every method and id." in md
+    finally:
+        victim.tokens[rid] = saved
+
+
 def test_report_on_finished_job(job, tmp_path):
     from dataclasses import replace
 

@@ -351,6 +351,16 @@ def test_cli_rejects_bad_arguments_before_loading(tmp_path):
     r = CliRunner().invoke(main, ["distill", "--target", "builtin:smollm2-135m", "--prompts", str(prompts),
                                   "--out", str(tmp_path / "o"), "--precision", "fp8"])
     assert r.exit_code != 0 and "--precision" in r.output and not (tmp_path / "o").exists()
+    for device, message in (("bogus", "--device: "), ("cuda:0", "--device: device 'cuda:0' requested")):
+        if device.startswith("cuda") and torch.cuda.is_available():
+            continue
+        r = CliRunner().invoke(main, ["distill", "--target", "builtin:smollm2-135m", "--prompts", str(prompts),
+                                      "--out", str(tmp_path / "o"), "--device", device])
+        assert r.exit_code == 1 and message in r.output and r.exception.__class__ is SystemExit, r.output
+    r = CliRunner().invoke(main, ["distill", "--target", "builtin:smollm2-135m", "--prompts", str(prompts),
+                                  "--out", str(tmp_path / "o"), "--sizes", "1x64:100000,1x128"])
+    assert r.exit_code == 1 and "the target's vocabulary has 49152 ids" in r.output, r.output
+    assert "d1x64-k100000: 100000 head ids" in r.output and not (tmp_path / "o").exists()
 
 
 def _key(settings) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shutil
 import time
 
 import spin_batch.ray_data as srd  # first: see spin_batch/__init__.py (the kernels/ name clash)
@@ -33,7 +34,13 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="only the first N rows")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a job key, as `spin-batch run --set` does")
+    ap.add_argument("--overwrite", action="store_true", help="replace what --out already holds")
     args = ap.parse_args()
+    if os.path.isdir(args.out) and os.listdir(args.out):
+        # Ray's write_parquet adds files next to the old ones, so a rerun would hold every row twice
+        if not args.overwrite:
+            ap.error(f"{args.out} is not empty; pass --overwrite to replace it, or another --out")
+        shutil.rmtree(args.out)
 
     ray.init()
     ds = ray.data.read_json(sorted(glob.glob(args.input)), lines=True)

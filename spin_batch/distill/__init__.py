@@ -16,6 +16,7 @@ import hashlib
 import json
 import platform
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -164,6 +165,9 @@ def run_distill(s: DistillSettings, progress: bool = True) -> dict:
     drafts = []
     for arch in s.sizes:
         vocab_ids = torch.sort(ranked[: arch.vocab or s.vocab]).values
+        if len(vocab_ids) < (arch.vocab or s.vocab):
+            print(f"spin-batch distill: {arch.name}: only {len(vocab_ids)} target ids have teacher mass in the "
+                  f"training data, so its head keeps {len(vocab_ids)}, not {arch.vocab or s.vocab}", file=sys.stderr)
         coverage[str(len(vocab_ids))] = _coverage(held or train_data, vocab_ids, target.spec.vocab_size)
         net, info = train_draft(arch, train_data, target, vocab_ids, s.train, device, progress)
         net.round_to(loader.DTYPES[s.save_dtype])  # measure exactly what is saved
