@@ -27,6 +27,8 @@ batch should hold many more rows than `batch.slots` (`generate` defaults to 16 t
 from __future__ import annotations
 
 import os
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -107,11 +109,17 @@ class SpinBatchPredictor:
                                       prompt_column=icfg.prompt_column, messages_column=icfg.messages_column,
                                       source_prefix=f"batch{self.batches}")
         rows: dict[str, dict] = {}
+        t0 = time.perf_counter()
         self.engine.loop.run(iter(requests), self.encode, lambda row: rows.__setitem__(row["source"], row))
+        seconds = time.perf_counter() - t0
         missing = [r.source for r in requests if r.source not in rows]
         if missing:  # the loop emits every request it is given; anything else is a bug worth failing on
             raise RuntimeError(f"spin-batch lost {len(missing)} rows of a batch (first: {missing[0]})")
         ordered = [rows[r.source] for r in requests]
+        tokens = sum(row["completion_tokens"] for row in ordered)
+        errors = sum(row["status"] != "ok" for row in ordered)
+        print(f"spin-batch (pid {os.getpid()}): batch {self.batches}: {len(ordered)} rows ({errors} errors), {tokens} "
+              f"tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tok/s)", file=sys.stderr, flush=True)
         for f in RESULT_FIELDS:
             table = table.append_column(f, pa.array([row[f.name] for row in ordered], type=f.type))
         return table
