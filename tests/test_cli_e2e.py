@@ -897,3 +897,19 @@ def test_stop_strings_truncate_text(tmp_path, tiny_dir):
             assert (stopped[i]["finish_reason"], stopped[i]["text"]) == ("stop", f[: f.find(stop)]), i
         else:
             assert (stopped[i]["finish_reason"], stopped[i]["text"]) == ("length", f), i
+
+    # Speculation that accepts several tokens a step (a draft made of all the target's layers is always
+    # right) ends each row on the same token as plain decoding: the token that completes the stop string.
+    # The rows count only accepted drafts that reached the completion.
+    job, out = make_job(tmp_path, tiny_dir, [src], name="stopped-spec", sampling={**sampling, "stop": [stop, "@@never@@"]},
+                        drafters=[{"name": "all", "kind": "early_exit", "layers": 3}],
+                        spin={"selector": "fixed:all", "num_speculative_tokens": 4, "confidence_gate": False})
+    run_ok(job)
+    spec = assert_each_id_once(out, ids)
+    for i in ids:
+        key = ("text", "finish_reason", "completion_tokens")
+        assert [spec[i][k] for k in key] == [stopped[i][k] for k in key], i
+        steps = sum(dict(spec[i]["drafter_pulls"]).values())  # decode steps; the prefill gave the first token
+        assert steps + spec[i]["num_accepted_draft_tokens"] <= spec[i]["completion_tokens"] <= \
+            steps + 1 + spec[i]["num_accepted_draft_tokens"], spec[i]
+    assert any(spec[i]["num_accepted_draft_tokens"] > spec[i]["num_spec_steps"] for i in ids)  # several a step

@@ -306,11 +306,14 @@ class BatchLoop:
         generated = 0
         for s, new, k, d in zip(plan.decode + plan.finishing, verdict.tokens, verdict.accepted,
                                 plan.drafts + [[] for _ in plan.finishing]):
+            kept = self._append(s, new)
             if d:
                 s.spec_steps += 1
                 s.draft_tokens += len(d)
-                s.accepted_tokens += k
-            generated += self._append(s, new)
+                # the row counts accepted drafts that reached its completion: not those past an EOS, a
+                # stop string or max_tokens in the same step (the drafter's stats count what was accepted)
+                s.accepted_tokens += min(k, kept)
+            generated += kept
             if s.finish_reason is not None:
                 self._finish(s)
             else:
@@ -345,10 +348,17 @@ class BatchLoop:
             if s.finish_reason:
                 break
         if self.cfg.stop and self._stop_in_tail(s, added):
-            text = self.tok.decode(s.generated, skip_special_tokens=True)
-            cut = min((text.find(x) for x in self.cfg.stop if x in text), default=-1)
-            if cut >= 0:
-                s.finish_reason, s.text = "stop", text[:cut]
+            # The completion ends with the token that completes the first stop string, as it would one
+            # token a step: a step that accepted several tokens drops those after it.
+            gen = s.generated
+            for n in range(len(gen) - added + 1, len(gen) + 1):
+                text = self.tok.decode(gen[:n], skip_special_tokens=True)
+                cut = min((text.find(x) for x in self.cfg.stop if x in text), default=-1)
+                if cut >= 0:
+                    del s.tokens[len(s.tokens) - (len(gen) - n):]
+                    added -= len(gen) - n
+                    s.finish_reason, s.text = "stop", text[:cut]
+                    break
         return added
 
     def _stop_in_tail(self, s: Slot, added: int) -> bool:
