@@ -36,7 +36,7 @@ from typing import Any
 import pyarrow as pa
 
 from .config import ConfigError, JobConfig, job_to_dict, load_job, parse_job
-from .io.reader import requests_from_rows
+from .io.reader import column_problems, requests_from_rows
 from .io.writer import OUTPUT_SCHEMA
 
 #: The output columns added to each row ("id" is the input's own column; "source" means a shard row).
@@ -87,22 +87,18 @@ class SpinBatchPredictor:
         import torch
 
         from .runner import build_engine, make_encoder
-        from .stats import RunStats
 
         if threads is not None:  # torch's and our CPU kernels' OpenMP threads (they share one runtime)
             torch.set_num_threads(threads)
         self.job = parse_job(job, overrides, source="<ray data job>")
-        self.stats = RunStats()
-        self.engine = build_engine(self.job, self.stats)
+        self.engine = build_engine(self.job)
         self.encode = make_encoder(self.engine.tokenizer, self.job)
         self.batches = 0
 
     def __call__(self, batch: Any) -> pa.Table:
         table = _as_table(batch)
-        clash = sorted(set(table.column_names) & {f.name for f in RESULT_FIELDS})
-        if clash:
-            raise ValueError(f"input columns {clash} clash with spin-batch's output columns; rename them first "
-                             "(e.g. ds.rename_columns({...}))")
+        if clash := _clash(table.column_names):
+            raise ValueError(clash)
         icfg = self.job.input
         self.batches += 1
         requests = requests_from_rows(table.to_pylist(), id_column=icfg.id_column,
@@ -153,17 +149,19 @@ def _check_schema(ds, plain: dict) -> None:
     if not names:
         return
     icfg = plain["input"]
-    problems = []
-    if icfg["id_column"] not in names:
-        problems.append(f"no id column {icfg['id_column']!r} (input.id_column); every row needs a unique id")
-    if icfg["prompt_column"] not in names and icfg["messages_column"] not in names:
-        problems.append(f"neither a prompt column {icfg['prompt_column']!r} nor a messages column "
-                        f"{icfg['messages_column']!r} (input.prompt_column / input.messages_column)")
-    clash = sorted(set(names) & {f.name for f in RESULT_FIELDS})
-    if clash:
-        problems.append(f"columns {clash} clash with spin-batch's output columns; rename them first")
+    problems = column_problems(names, id_column=icfg["id_column"], prompt_column=icfg["prompt_column"],
+                               messages_column=icfg["messages_column"])
+    if clash := _clash(names):
+        problems.append(clash)
     if problems:
-        raise ConfigError(f"dataset columns {names} do not fit the job:", problems)
+        raise ConfigError(f"dataset columns {names} do not fit the job (see input.*_column):", problems)
+
+
+def _clash(names: Sequence[str]) -> str | None:
+    """Input columns that spin-batch's output columns would overwrite, if any."""
+    clash = sorted(set(names) & {f.name for f in RESULT_FIELDS})
+    return (f"input columns {clash} clash with spin-batch's output columns; rename them first "
+            "(e.g. ds.rename_columns({...}))") if clash else None
 
 
 def _as_table(batch: Any) -> pa.Table:

@@ -130,7 +130,7 @@ def test_generate_through_a_local_ray_cluster(tmp_path, tiny_dir):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         ds = ray.data.from_items(data)
-        with pytest.raises(ConfigError, match="no id column 'key'"):
+        with pytest.raises(ConfigError, match="missing id column 'key'"):
             generate(ds, {**job_mapping(tiny_dir), "input": {"id_column": "key"}})
         got = generate(ds, job_mapping(tiny_dir), concurrency=1, num_cpus=1, batch_size=4).take_all()
     finally:

@@ -433,6 +433,17 @@ def _iter_jsonl(path: Path, cols: _Columns) -> Iterator[_Row]:
                 yield _jsonl_row(f"{path}#{lineno}", raw, lineno == 0, cols)
 
 
+def column_problems(names: Sequence[str], *, id_column: str = "id", prompt_column: str = "prompt",
+                    messages_column: str = "messages") -> list[str]:
+    """What a table with these columns lacks to be read as input (a Parquet shard, a Ray Dataset)."""
+    problems = []
+    if id_column not in names:
+        problems.append(f"missing id column {id_column!r}")
+    if prompt_column not in names and messages_column not in names:
+        problems.append(f"needs a prompt column {prompt_column!r} or a messages column {messages_column!r}")
+    return problems
+
+
 def _open_parquet(path: Path, cols: _Columns) -> tuple[pq.ParquetFile, list[str]]:
     """Open a Parquet shard and pick the columns to read; checks the schema."""
     try:
@@ -440,13 +451,9 @@ def _open_parquet(path: Path, cols: _Columns) -> tuple[pq.ParquetFile, list[str]
     except (OSError, pa.ArrowException) as exc:
         raise InputError(f"{path}: cannot read Parquet file: {exc}") from exc
     names = parquet_file.schema_arrow.names
-    if cols.id not in names:
-        raise InputError(f"{path}: missing id column {cols.id!r} (columns: {', '.join(names)})")
-    if cols.prompt not in names and cols.messages not in names:
-        raise InputError(
-            f"{path}: needs a prompt column {cols.prompt!r} or a messages column "
-            f"{cols.messages!r} (columns: {', '.join(names)})"
-        )
+    problems = column_problems(names, id_column=cols.id, prompt_column=cols.prompt, messages_column=cols.messages)
+    if problems:
+        raise InputError(f"{path}: {problems[0]} (columns: {', '.join(names)})")
     wanted = list(dict.fromkeys(c for c in (cols.id, cols.prompt, cols.messages) if c in names))
     return parquet_file, wanted
 
