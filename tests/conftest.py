@@ -19,6 +19,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The C kernels wherever they apply, not the path measured fastest (cpu_plan.py): a tiny test model may
+# measure either way, and each test should run one known path. Tests of the measured choice set auto;
+# tests of the torch path build their models with a forced plan.
+os.environ.setdefault("SPIN_BATCH_CPU_GEMM", "on")
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -20,6 +20,7 @@ from spin_batch.engine.loop import BatchLoop, LoopSettings
 from spin_batch.engine.policy import Choice, FixedDrafter, NoSpeculation, Policy
 from spin_batch.engine.sampling import SamplingParams
 from spin_batch.io.reader import Request
+from spin_batch.models import cpu_plan
 from spin_batch.models.loader import load_model, load_tokenizer
 
 PROMPTS = [
@@ -72,9 +73,14 @@ class MixedGamma(Policy):
         return out
 
 
-@pytest.fixture(scope="module")
-def target(tiny_dir):
-    return load_model(tiny_dir), load_tokenizer(tiny_dir)
+@pytest.fixture(scope="module", params=["c", "torch"])
+def target(request, tiny_dir):
+    """The target on each CPU path the planner may choose (cpu_plan.py): our C decoder (each row computed
+    alone), and oneDNN with torch's attention (whose results may depend on the batch: greedy equality
+    must hold there too)."""
+    model = load_model(tiny_dir, plan=cpu_plan.forced(request.param))
+    assert (model.c_decoder is not None) == (request.param == "c")
+    return model, load_tokenizer(tiny_dir)
 
 
 def make_loop(target_and_tok, slots: int, policy: Policy, drafter_factories=()) -> BatchLoop:
@@ -435,12 +441,7 @@ def test_pipeline_keeps_a_step_that_drafts_nothing_whole(target, reference):
 
 @pytest.fixture(scope="module")
 def bf16_target(tiny_dir):
-    from spin_batch.models import cpu_gemm
-
-    lib = cpu_gemm.library()
-    if lib is None or not lib.spin_gemm_bf16_ok():
-        pytest.skip("no AVX512-BF16 CPU kernels here: bfloat16 runs on oneDNN, equal only up to rounding")
-    model = load_model(tiny_dir, "bfloat16")
+    model = load_model(tiny_dir, "bfloat16", plan=cpu_plan.forced("c"))
     assert model.c_decoder is not None
     return model, load_tokenizer(tiny_dir)
 

@@ -2,66 +2,99 @@
  * GEMMs, the RMS norm, attention over the per-slot KV cache, and spin_decoder (all decoder layers of a
  * forward in one call). Every result of a row is computed alone, in a fixed order (see each part).
  *
- * Float32 y = x @ w^T for the decode loop's batch sizes.
+ * y = x @ w^T for the decode loop's batch sizes.
  *
  * w is stored in panels of 16 output rows, k-major inside a panel: wp[o / 16][k][o % 16]. One call
- * streams every panel once. A micro-kernel takes two panels (32 outputs) and up to MR rows of x,
- * broadcasts x[m, k] and adds it times the panels' k-th vectors into 2 x MR vector accumulators, so
- * a weight is read from memory once per call for any M <= MR and once from cache per further MR rows.
+ * streams every panel once. A micro-kernel takes a unit of two vectors of outputs (with AVX-512: two
+ * panels, 32 outputs, one zmm each; elsewhere: one panel, 16 outputs, two 8-float vectors) and up to
+ * MR rows of x, broadcasts x[m, k] and adds it times the unit's k-th vectors into 2 x MR accumulators,
+ * so a weight is read from memory once per call for any M <= MR and from cache per further MR rows.
+ * MR fills the register file: 24 of the 32 zmm registers with AVX-512 (MR 12), 12 of the 16 ymm
+ * registers with AVX2 (MR 6, the usual 6x16 block), 24 of the 32 q registers on NEON.
  *
  * Each output y[m, o] is the sum over k, in order, of x[m, k] * w[o, k] in a single vector lane: no
  * blocking over k and no horizontal sum. So a row's result does not depend on M or on which other
  * rows share the call: a decode step (M = 1) and a verify run (M = 1 + gamma) give bitwise the same
- * outputs for the same input row. Output panels are split across OpenMP threads (the runtime torch loaded).
+ * outputs for the same input row. Units are split across OpenMP threads (the runtime torch loaded).
  *
- * Both panels of a pair are software-prefetched PF k-steps (4 KB) ahead. Without it the weight stream
- * and the multiply-adds did not overlap: each extra row cost its full compute time on top of the memory
- * time (the float32 decoder linears, 30 layers of gate_up and down on a 2-core AVX-512 CPU: 12.1 ms at
- * one row, 14.4 at five, 20.4 at sixteen; with the prefetch 12.1, 13.0 and 16.8; bfloat16 at five rows
- * 11.2 -> 7.3 ms). That extra-row cost is what a verify run pays over a decode step.
+ * The unit's weights are software-prefetched PF k-steps ahead, so the weight stream and the
+ * multiply-adds overlap: without it each extra row cost its full compute time on top of the memory time.
  */
 #include <stdint.h>
 #include <limits.h>
 #include <omp.h>
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 #ifdef __AVX512F__
-#define MR 12 /* 24 accumulators + 2 panel vectors of the 32 zmm registers */
+typedef v16 vw; /* one register of floats */
+typedef u16x16 hw; /* as many bfloat16 */
+typedef u32x16 uw;
+#define VW 16
+#define MR 12
+#define ISA_NAME "avx512"
 #else
-#define MR 3 /* narrower vectors: a v16 is 2 (AVX2) or 4 (NEON) registers */
+typedef v8 vw;
+typedef u16x8 hw;
+typedef u32x8 uw;
+#define VW 8
+#define MR 6
+#if defined(__AVX2__) && defined(__FMA__)
+#define ISA_NAME "avx2"
+#elif defined(__aarch64__)
+#define ISA_NAME "neon"
+#else
+#define ISA_NAME "generic"
 #endif
+#endif
+#define UNIT (2 * VW) /* outputs per micro-kernel call */
+
+/* The instruction set this build's GEMM micro-kernel was written for (shown by `spin-batch env`). */
+const char *spin_isa(void) { return ISA_NAME; }
+
+/* Where the unit u's two vectors sit at step k: with VW 16 they are panels 2u and 2u + 1, with VW 8
+ * the two halves of panel u. */
+static inline int64_t unit_at(int64_t u, int64_t K, int64_t k, int half) {
+    return VW == 16 ? (2 * u + half) * K * 16 + k * 16 : u * K * 16 + k * 16 + half * 8;
+}
 
 #define PF 64 /* prefetch distance in k-steps: 64 bytes of each panel per step */
 #define MICRO(R)                                                                                         \
-    static void micro_##R(const float *x, const float *wp, float *y, int64_t K, int64_t O, int64_t pair) { \
-        const float *w0 = wp + 2 * pair * K * 16, *w1 = w0 + K * 16;                                      \
-        v16 a0[R], a1[R];                                                                                \
-        for (int m = 0; m < R; m++) {                                                                    \
-            a0[m] = (v16){0};                                                                            \
-            a1[m] = (v16){0};                                                                            \
-        }                                                                                                \
+    static void micro_##R(const float *x, const float *wp, float *y, int64_t K, int64_t O, int64_t u) {  \
+        vw a0[R], a1[R];                                                                                 \
+        for (int m = 0; m < R; m++) a0[m] = a1[m] = (vw){0};                                             \
         for (int64_t k = 0; k < K; k++) {                                                                \
-            __builtin_prefetch(w0 + (k + PF) * 16, 0, 3);                                                \
-            __builtin_prefetch(w1 + (k + PF) * 16, 0, 3);                                                \
-            v16 u = *(const v16 *)(w0 + k * 16), v = *(const v16 *)(w1 + k * 16);                        \
+            __builtin_prefetch(wp + unit_at(u, K, k + PF, 0), 0, 3);                                     \
+            if (VW == 16) __builtin_prefetch(wp + unit_at(u, K, k + PF, 1), 0, 3);                       \
+            vw w0 = *(const vw *)(wp + unit_at(u, K, k, 0)), w1 = *(const vw *)(wp + unit_at(u, K, k, 1)); \
             for (int m = 0; m < R; m++) {                                                                \
                 float s = x[m * K + k];                                                                  \
-                a0[m] += s * u;                                                                          \
-                a1[m] += s * v;                                                                          \
+                a0[m] += s * w0;                                                                         \
+                a1[m] += s * w1;                                                                         \
             }                                                                                            \
         }                                                                                                \
         for (int m = 0; m < R; m++) {                                                                    \
-            *(v16 *)(y + m * O + 32 * pair) = a0[m];                                                     \
-            *(v16 *)(y + m * O + 32 * pair + 16) = a1[m];                                                \
+            *(vw *)(y + m * O + UNIT * u) = a0[m];                                                       \
+            *(vw *)(y + m * O + UNIT * u + VW) = a1[m];                                                  \
         }                                                                                                \
     }
 
-MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8) MICRO(9) MICRO(10) MICRO(11) MICRO(12)
+MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
+#if MR > 6
+MICRO(7) MICRO(8) MICRO(9) MICRO(10) MICRO(11) MICRO(12)
+#endif
 
 typedef void (*micro_t)(const float *, const float *, float *, int64_t, int64_t, int64_t);
-static const micro_t MICROS[13] = {0,       micro_1, micro_2, micro_3, micro_4,  micro_5, micro_6,
-                                   micro_7, micro_8, micro_9, micro_10, micro_11, micro_12};
+static const micro_t MICROS[MR + 1] = {0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6,
+#if MR > 6
+                                       micro_7, micro_8, micro_9, micro_10, micro_11, micro_12
+#endif
+};
 
 /* w [O, K] row-major -> wp [Op / 16][K][16], Op a multiple of 32 >= O; rows O..Op-1 are zero. */
 void spin_gemm_pack(const float *w, float *wp, int64_t O, int64_t K, int64_t Op) {
@@ -76,28 +109,43 @@ void spin_gemm_pack(const float *w, float *wp, int64_t O, int64_t K, int64_t Op)
 
 /* y [M, Op] = x [M, K] @ w^T, w packed by spin_gemm_pack. */
 void spin_gemm(const float *x, const float *wp, float *y, int64_t M, int64_t Op, int64_t K) {
-    int64_t pairs = Op / 32;
+    int64_t units = Op / UNIT;
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < pairs; p++)
+    for (int64_t u = 0; u < units; u++)
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             int64_t r = M - m0 < MR ? M - m0 : MR;
-            MICROS[r](x + m0 * K, wp, y + m0 * Op, K, Op, p);
+            MICROS[r](x + m0 * K, wp, y + m0 * Op, K, Op, u);
         }
 }
 
-/* Bfloat16 y = x @ w^T, float32 accumulation, where the CPU has AVX512-BF16 (vdpbf16ps); elsewhere
- * spin_gemm_bf16_ok() returns 0 and the caller keeps oneDNN.
+static inline uint16_t to_bf16(float f);
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &b, 4);
+    return f;
+}
+
+/* Bfloat16 y = x @ w^T, float32 accumulation, float32 sums rounded to bfloat16 once, to nearest even
+ * (as torch rounds). K must be even.
  *
- * w is stored in panels of 16 output rows by pairs of k: wp[o / 16][k / 2][o % 16][k % 2], so one
- * 64-byte vector holds 16 outputs' weights for inputs k and k + 1. The micro-kernel broadcasts the pair
- * (x[m, k], x[m, k + 1]) as one 32-bit lane and vdpbf16ps adds both products into each output's float32
- * accumulator: 32 multiply-adds per instruction and no conversion of the weights, which stream at half
- * the bytes of float32. As in the float32 kernel, a row's sum runs over k in order in one lane, so its
- * result does not depend on M or on the other rows of the call. The float32 sums are rounded to
- * bfloat16 once, to nearest even (as torch rounds). K must be even. */
+ * Where the CPU has AVX512-BF16 (vdpbf16ps), w is stored in panels of 16 output rows by pairs of k:
+ * wp[o / 16][k / 2][o % 16][k % 2], so one 64-byte vector holds 16 outputs' weights for inputs k and
+ * k + 1. The micro-kernel broadcasts the pair (x[m, k], x[m, k + 1]) as one 32-bit lane and vdpbf16ps
+ * adds both products into each output's float32 accumulator: 32 multiply-adds per instruction and no
+ * conversion of the weights.
+ *
+ * Elsewhere (AVX2, AVX-512 without BF16, NEON) w is stored as in the float32 GEMM, wp[o / 16][k][o % 16]
+ * in bfloat16, and the micro-kernel widens each weight vector to float32 exactly (a 16-bit shift) before
+ * the float32 multiply-adds of the kernel above: the weights still stream at half the bytes of float32.
+ *
+ * As in the float32 kernel, a row's sum runs over k in order in one lane, so its result does not depend
+ * on M or on the other rows of the call. */
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <string.h>
+#define BF16_PAIRS 1
 
 #define MICRO_BF16(R)                                                                                    \
     static void microb_##R(const uint16_t *x, const uint16_t *wp, uint16_t *y, int64_t K, int64_t O,      \
@@ -124,41 +172,79 @@ void spin_gemm(const float *x, const float *wp, float *y, int64_t M, int64_t Op,
             _mm256_storeu_si256((__m256i *)(y + m * O + 32 * pair + 16), (__m256i)_mm512_cvtneps_pbh(a1[m])); \
         }                                                                                                \
     }
+#else
+#define BF16_PAIRS 0
 
-MICRO_BF16(1) MICRO_BF16(2) MICRO_BF16(3) MICRO_BF16(4) MICRO_BF16(5) MICRO_BF16(6) MICRO_BF16(7)
-MICRO_BF16(8) MICRO_BF16(9) MICRO_BF16(10) MICRO_BF16(11) MICRO_BF16(12)
+static inline vw widen(hw h) { return (vw)(__builtin_convertvector(h, uw) << 16); }
+
+#define MICRO_BF16(R)                                                                                    \
+    static void microb_##R(const uint16_t *x, const uint16_t *wp, uint16_t *y, int64_t K, int64_t O,      \
+                           int64_t u) {                                                                  \
+        vw a0[R], a1[R];                                                                                 \
+        for (int m = 0; m < R; m++) a0[m] = a1[m] = (vw){0};                                             \
+        for (int64_t k = 0; k < K; k++) {                                                                \
+            __builtin_prefetch(wp + unit_at(u, K, k + PF, 0), 0, 3);                                     \
+            if (VW == 16) __builtin_prefetch(wp + unit_at(u, K, k + PF, 1), 0, 3);                       \
+            vw w0 = widen(*(const hw *)(wp + unit_at(u, K, k, 0)));                                      \
+            vw w1 = widen(*(const hw *)(wp + unit_at(u, K, k, 1)));                                      \
+            for (int m = 0; m < R; m++) {                                                                \
+                float s = bf16_to_float(x[m * K + k]);                                                   \
+                a0[m] += s * w0;                                                                         \
+                a1[m] += s * w1;                                                                         \
+            }                                                                                            \
+        }                                                                                                \
+        for (int m = 0; m < R; m++)                                                                      \
+            for (int j = 0; j < VW; j++) {                                                               \
+                y[m * O + UNIT * u + j] = to_bf16(a0[m][j]);                                             \
+                y[m * O + UNIT * u + VW + j] = to_bf16(a1[m][j]);                                        \
+            }                                                                                            \
+    }
+#endif
+
+MICRO_BF16(1) MICRO_BF16(2) MICRO_BF16(3) MICRO_BF16(4) MICRO_BF16(5) MICRO_BF16(6)
+#if MR > 6 || BF16_PAIRS
+MICRO_BF16(7) MICRO_BF16(8) MICRO_BF16(9) MICRO_BF16(10) MICRO_BF16(11) MICRO_BF16(12)
+#define MRB 12
+#else
+#define MRB MR
+#endif
 
 typedef void (*microb_t)(const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t);
-static const microb_t MICROS_BF16[13] = {0,        microb_1, microb_2, microb_3,  microb_4,  microb_5, microb_6,
-                                         microb_7, microb_8, microb_9, microb_10, microb_11, microb_12};
+static const microb_t MICROS_BF16[MRB + 1] = {0, microb_1, microb_2, microb_3, microb_4, microb_5, microb_6,
+#if MRB > 6
+                                              microb_7, microb_8, microb_9, microb_10, microb_11, microb_12
+#endif
+};
 
+/* 1: this build has a bfloat16 GEMM (every build now: vdpbf16ps where the CPU has it, else widening). */
 int spin_gemm_bf16_ok(void) { return 1; }
+
+/* 1: the bfloat16 GEMM uses AVX512-BF16's dot products (shown by `spin-batch env`). */
+int spin_gemm_bf16_native(void) { return BF16_PAIRS; }
 
 /* y [M, Op] = x [M, K] @ w^T, all bfloat16 (as uint16), w packed by spin_gemm_pack_bf16. */
 void spin_gemm_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *y, int64_t M, int64_t Op, int64_t K) {
-    int64_t pairs = Op / 32;
+    int64_t units = Op / 32 * (BF16_PAIRS ? 1 : 32 / UNIT);
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < pairs; p++)
-        for (int64_t m0 = 0; m0 < M; m0 += 12) {
-            int64_t r = M - m0 < 12 ? M - m0 : 12;
-            MICROS_BF16[r](x + m0 * K, wp, y + m0 * Op, K, Op, p);
+    for (int64_t u = 0; u < units; u++)
+        for (int64_t m0 = 0; m0 < M; m0 += MRB) {
+            int64_t r = M - m0 < MRB ? M - m0 : MRB;
+            MICROS_BF16[r](x + m0 * K, wp, y + m0 * Op, K, Op, u);
         }
 }
-#else
-int spin_gemm_bf16_ok(void) { return 0; }
-void spin_gemm_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *y, int64_t M, int64_t Op, int64_t K) {
-    (void)x, (void)wp, (void)y, (void)M, (void)Op, (void)K;
-}
-#endif
 
-/* w [O, K] bfloat16 row-major -> wp [Op / 16][K / 2][16][2], Op a multiple of 32 >= O, K even. */
+/* w [O, K] bfloat16 row-major -> the layout above, Op a multiple of 32 >= O, K even. */
 void spin_gemm_pack_bf16(const uint16_t *w, uint16_t *wp, int64_t O, int64_t K, int64_t Op) {
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < Op / 16; p++)
         for (int64_t k = 0; k < K; k++)
             for (int64_t j = 0; j < 16; j++) {
                 int64_t o = p * 16 + j;
-                wp[((p * (K / 2) + k / 2) * 16 + j) * 2 + k % 2] = o < O ? w[o * K + k] : 0;
+                uint16_t v = o < O ? w[o * K + k] : 0;
+                if (BF16_PAIRS)
+                    wp[((p * (K / 2) + k / 2) * 16 + j) * 2 + k % 2] = v;
+                else
+                    wp[(p * K + k) * 16 + j] = v;
             }
 }
 
@@ -178,19 +264,36 @@ static inline void store1(void *p, int64_t i, float f, int es) {
 }
 
 
+#ifdef __AVX512F__
+typedef int32_t iw __attribute__((vector_size(64)));
+#else
+typedef int32_t iw __attribute__((vector_size(32)));
+#endif
+
+/* VW floats from float32 or bfloat16 storage (ES 4 or 2). */
+static inline vw loadw(const void *p, int es) {
+    if (es == 4) return *(const vw *)p;
+    return (vw)(__builtin_convertvector(*(const hw *)p, uw) << 16);
+}
+
+/* Everything below works on vectors of the build's register width (vw: 16 floats with AVX-512, else 8):
+ * without AVX-512, GCC spills 64-byte vectors through memory and turns their compares into scalar code
+ * (a 4-6x slower attention with AVX2). A lane's sums run in a fixed order in either width, so a row's
+ * result never depends on its batch; the two widths may round differently from each other. */
+
 /* out [N, C] (weights' dtype) = rms_norm(h [N, C] float32) * w */
 static void norm_rows(const float *h, const float *w, void *out, int64_t N, int64_t C, float eps, int es) {
 #pragma omp parallel for schedule(static) if (N >= 16)
     for (int64_t m = 0; m < N; m++) {
         const float *xr = h + m * C;
-        v16 acc = (v16){0};
+        vw acc = (vw){0};
         int64_t c = 0;
-        for (; c + 16 <= C; c += 16) {
-            v16 v = *(const v16 *)(xr + c);
+        for (; c + VW <= C; c += VW) {
+            vw v = *(const vw *)(xr + c);
             acc += v * v;
         }
         float ss = 0.0f;
-        for (int k = 0; k < 16; k++) ss += acc[k];
+        for (int k = 0; k < VW; k++) ss += acc[k];
         for (; c < C; c++) ss += xr[c] * xr[c];
         float r = 1.0f / __builtin_sqrtf(ss / (float)C + eps);
         for (c = 0; c < C; c++) store1(out, m * C + c, (xr[c] * r) * w[c], es);
@@ -213,27 +316,22 @@ void spin_rms_norm(const float *x, const float *w, float *y, int64_t M, int64_t 
  * give bitwise the same output for the same row and cache. Storage is float32 or bfloat16 (ES 4 or 2),
  * arithmetic float32; D a multiple of 16, at most 256. */
 
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const void *p, int es) {
-    if (es == 4) return *(const v16 *)p;
-    u32x16 w = __builtin_convertvector(*(const u16x16 *)p, u32x16) << 16;
-    return (v16)w;
-}
-
-
 typedef int32_t perm16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t perm8 __attribute__((vector_size(32)));
 
-static inline v8 fold8(v16 d) { /* lanes j + j^8 */
+/* A key's dot-product lanes folded to 8: with 16 lanes, j + j^8. */
+static inline v8 fold8(vw d) {
+#if VW == 16
     return __builtin_shufflevector(d, d, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(d, d, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    return d;
+#endif
 }
 
-/* r[t] = the sum of a[t]'s 16 lanes, for t < 16, by a transposing tree of shuffles and adds: every key's
- * lanes are added in the same order (j + j^8, then j^4, j^2, j^1), wherever it sits in the block. */
-static inline v16 reduce16(const v8 a[16]) { /* a[t]: key t's 16 lanes already folded to 8 (j + j^8) */
+/* dst[t] = the sum of a[t]'s 8 lanes, for t < 16, by a transposing tree of shuffles and adds: every key's
+ * lanes are added in the same order (j + j^4, then j^2, then j^1), wherever it sits in the block. */
+#if VW == 16
+static inline void reduce16(float *dst, const v8 a[16]) { /* with 16-lane shuffles: one instruction each */
     v16 c[8], d[4], e[2];
     for (int i = 0; i < 8; i++)
         c[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -246,19 +344,40 @@ static inline v16 reduce16(const v8 a[16]) { /* a[t]: key t's 16 lanes already f
     v16 f = __builtin_shuffle(e[0], e[1], (perm16){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}) +
             __builtin_shuffle(e[0], e[1], (perm16){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
     /* lane L of f holds key bitreverse4(L) */
-    return __builtin_shuffle(f, (perm16){0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
+    v16 r = __builtin_shuffle(f, (perm16){0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
+    __builtin_memcpy(dst, &r, 64);
 }
+#else
+static inline v8 reduce8(const v8 *a) { /* keys 0..7 -> lanes 0..7, by 8-lane shuffles (AVX2: one each) */
+    v8 b[4], c[2];
+    for (int i = 0; i < 4; i++) /* lanes 0-3: key 2i's j + j^4; lanes 4-7: key 2i + 1's */
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], (perm8){0, 1, 2, 3, 8, 9, 10, 11}) +
+               __builtin_shuffle(a[2 * i], a[2 * i + 1], (perm8){4, 5, 6, 7, 12, 13, 14, 15});
+    for (int i = 0; i < 2; i++) /* then + j^2: keys 4i, 4i + 2, 4i + 1, 4i + 3, two lanes each */
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], (perm8){0, 1, 8, 9, 4, 5, 12, 13}) +
+               __builtin_shuffle(b[2 * i], b[2 * i + 1], (perm8){2, 3, 10, 11, 6, 7, 14, 15});
+    v8 d = __builtin_shuffle(c[0], c[1], (perm8){0, 2, 8, 10, 4, 6, 12, 14}) + /* then + j^1 */
+           __builtin_shuffle(c[0], c[1], (perm8){1, 3, 9, 11, 5, 7, 13, 15});
+    return __builtin_shuffle(d, (perm8){0, 4, 1, 5, 2, 6, 3, 7}); /* d holds keys 0, 2, 4, 6, 1, 3, 5, 7 */
+}
+
+static inline void reduce16(float *dst, const v8 a[16]) {
+    v8 lo = reduce8(a), hi = reduce8(a + 8);
+    __builtin_memcpy(dst, &lo, 32);
+    __builtin_memcpy(dst + 8, &hi, 32);
+}
+#endif
 
 /* e^x for x <= 0, to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor
  * polynomial, 2^n put into the exponent bits. Below -87 it returns 0. */
-static inline v16 exp16(v16 x) {
-    const v16 lo = (v16){0} - 87.0f;
-    i32x16 under = x < lo;
-    x = (v16)((i32x16)x & ~under) + (v16)((i32x16)lo & under);
-    v16 t = x * 1.44269504088896341f + 12582912.0f; /* round to nearest integer, in the low bits */
-    v16 n = t - 12582912.0f;
-    v16 r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
-    v16 p = (v16){0} + 1.0f / 5040.0f;
+static inline vw expw(vw x) {
+    const vw lo = (vw){0} - 87.0f;
+    iw under = x < lo;
+    x = (vw)((iw)x & ~under) + (vw)((iw)lo & under);
+    vw t = x * 1.44269504088896341f + 12582912.0f; /* round to nearest integer, in the low bits */
+    vw n = t - 12582912.0f;
+    vw r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+    vw p = (vw){0} + 1.0f / 5040.0f;
     p = p * r + 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
     p = p * r + 1.0f / 24.0f;
@@ -266,32 +385,41 @@ static inline v16 exp16(v16 x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
-    return (v16)((i32x16)(p * (v16)e) & ~under);
+    iw e = (__builtin_convertvector(n, iw) + 127) << 23;
+    return (vw)((iw)(p * (vw)e) & ~under);
 }
 
 #define KEY_BLOCK 64
-static const v16 LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#if VW == 16
+static const vw LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#define QB 4   /* queries whose value sums share each value load */
+#define DCH 16 /* vectors of a query's sum held in registers at once: all of them (D <= 256) */
+#else
+static const vw LANES = {0, 1, 2, 3, 4, 5, 6, 7};
+#define QB 2
+#define DCH 4 /* 2 queries x 4 vectors + 4 value vectors of the 16 ymm registers */
+#endif
 #define MAX_Q 16 /* query vectors per task: rows of one slot times the G query heads of one KV head */
+#define MAX_V (256 / VW) /* vectors of the largest head */
 
 /* Rows of one slot (positions pos[r]), the G query heads of one KV head: they share every key and value
  * load. Each query's keys, blocks, sums and their order are those it would have alone. */
 static inline __attribute__((always_inline)) void attend_rows(const char *q, int64_t q_rs, const char *kc, const char *vc, char *out, int64_t out_rs,
                         const int64_t *pos, int64_t nr, int64_t G, int64_t D, float scale, int es) {
-    int64_t nv = D / 16, Q = nr * G, last = 0;
-    v16 qv[MAX_Q][16], acc[MAX_Q][16];
+    int64_t nv = D / VW, Q = nr * G, last = 0;
+    vw qv[MAX_Q][MAX_V], acc[MAX_Q][MAX_V];
     float m[MAX_Q], s[MAX_Q][KEY_BLOCK];
-    v16 l[MAX_Q];
+    vw l[MAX_Q];
     int64_t qpos[MAX_Q];
     for (int64_t r = 0; r < nr; r++)
         for (int64_t g = 0; g < G; g++) {
             int64_t qi = r * G + g;
             for (int64_t j = 0; j < nv; j++) {
-                qv[qi][j] = load16(q + (r * q_rs + g * D + j * 16) * es, es) * scale;
-                acc[qi][j] = (v16){0};
+                qv[qi][j] = loadw(q + (r * q_rs + g * D + j * VW) * es, es) * scale;
+                acc[qi][j] = (vw){0};
             }
             m[qi] = -__builtin_inff();
-            l[qi] = (v16){0};
+            l[qi] = (vw){0};
             qpos[qi] = pos[r];
             last = pos[r] > last ? pos[r] : last;
         }
@@ -300,81 +428,79 @@ static inline __attribute__((always_inline)) void attend_rows(const char *q, int
         for (int64_t t = 0; t < n; t += 16) { /* scores of 16 keys at a time */
             v8 part[MAX_Q][16];
             for (int64_t u = 0; u < 16; u++) {
-                v16 kv[16];
+                vw kv[MAX_V];
                 int have = t + u < n;
                 if (have)
-                    for (int64_t j = 0; j < nv; j++) kv[j] = load16(kc + ((t0 + t + u) * D + j * 16) * es, es);
+                    for (int64_t j = 0; j < nv; j++) kv[j] = loadw(kc + ((t0 + t + u) * D + j * VW) * es, es);
                 for (int64_t qi = 0; qi < Q; qi++) {
                     if (!have || t0 + t + u > qpos[qi]) { /* past the query's last key: zeros, never read */
                         part[qi][u] = (v8){0};
                         continue;
                     }
-                    v16 d = qv[qi][0] * kv[0];
+                    vw d = qv[qi][0] * kv[0];
                     for (int64_t j = 1; j < nv; j++) d += qv[qi][j] * kv[j];
                     part[qi][u] = fold8(d);
                 }
             }
             for (int64_t qi = 0; qi < Q; qi++)
-                if (t0 + t <= qpos[qi]) {
-                    v16 r = reduce16(part[qi]);
-                    __builtin_memcpy(&s[qi][t], &r, 64);
-                }
+                if (t0 + t <= qpos[qi]) reduce16(&s[qi][t], part[qi]);
         }
         for (int64_t qi = 0; qi < Q; qi++) {
             int64_t nq = qpos[qi] + 1 - t0 < n ? qpos[qi] + 1 - t0 : n; /* the query's keys in this block */
             if (nq <= 0) continue;
-            v16 mx = (v16){0} - __builtin_inff(); /* the block's maximum, 16 lanes at a time (max is exact) */
-            for (int64_t t = 0; t < nq; t += 16) {
-                v16 x = *(const v16 *)&s[qi][t];
-                i32x16 take = (x > mx) & (LANES < (float)(nq - t));
-                mx = (v16)(((i32x16)x & take) | ((i32x16)mx & ~take));
+            vw mx = (vw){0} - __builtin_inff(); /* the block's maximum, VW lanes at a time (max is exact) */
+            for (int64_t t = 0; t < nq; t += VW) {
+                vw x = *(const vw *)&s[qi][t];
+                iw take = (x > mx) & (LANES < (float)(nq - t));
+                mx = (vw)(((iw)x & take) | ((iw)mx & ~take));
             }
             float bm = m[qi];
-            for (int j = 0; j < 16; j++) bm = mx[j] > bm ? mx[j] : bm;
+            for (int j = 0; j < VW; j++) bm = mx[j] > bm ? mx[j] : bm;
             if (bm > m[qi]) { /* rescale what the earlier blocks summed */
-                float f = m[qi] == -__builtin_inff() ? 0.0f : exp16((v16){0} + (m[qi] - bm))[0];
+                float f = m[qi] == -__builtin_inff() ? 0.0f : expw((vw){0} + (m[qi] - bm))[0];
                 l[qi] *= f;
                 for (int64_t j = 0; j < nv; j++) acc[qi][j] *= f;
                 m[qi] = bm;
             }
-            for (int64_t t = 0; t < nq; t += 16) { /* p = e^(s - max); lanes past the last key give exactly 0 */
-                i32x16 in = LANES < (float)(nq - t);
-                v16 x = (v16)(((i32x16)(*(const v16 *)&s[qi][t] - bm) & in) | ((i32x16)((v16){0} - 1000.0f) & ~in));
-                v16 e = exp16(x);
-                __builtin_memcpy(&s[qi][t], &e, 64);
-                l[qi] += e; /* lane j sums keys j, j + 16, ... in order */
+            for (int64_t t = 0; t < nq; t += VW) { /* p = e^(s - max); lanes past the last key give exactly 0 */
+                iw in = LANES < (float)(nq - t);
+                vw x = (vw)(((iw)(*(const vw *)&s[qi][t] - bm) & in) | ((iw)((vw){0} - 1000.0f) & ~in));
+                vw e = expw(x);
+                __builtin_memcpy(&s[qi][t], &e, sizeof e);
+                l[qi] += e; /* lane j sums keys j, j + VW, ... in order */
             }
         }
-        for (int64_t q0 = 0; q0 < Q; q0 += 4) { /* 4 queries' accumulators in registers, sharing each value load */
-            int64_t qn = Q - q0 < 4 ? Q - q0 : 4;
-            v16 a[4][16];
-            for (int64_t qq = 0; qq < qn; qq++)
-                for (int64_t j = 0; j < nv; j++) a[qq][j] = acc[q0 + qq][j];
-            for (int64_t t = 0; t < n; t++) {
-                v16 vv[16];
-                for (int64_t j = 0; j < nv; j++) vv[j] = load16(vc + ((t0 + t) * D + j * 16) * es, es);
-                for (int64_t qq = 0; qq < qn; qq++) {
-                    if (t0 + t > qpos[q0 + qq]) continue;
-                    float p = s[q0 + qq][t];
-                    for (int64_t j = 0; j < nv; j++) a[qq][j] += p * vv[j];
+        for (int64_t q0 = 0; q0 < Q; q0 += QB) /* QB queries' sums, DCH vectors at a time, in registers */
+            for (int64_t j0 = 0; j0 < nv; j0 += DCH) {
+                int64_t qn = Q - q0 < QB ? Q - q0 : QB, jn = nv - j0 < DCH ? nv - j0 : DCH;
+                vw a[QB][DCH];
+                for (int64_t qq = 0; qq < qn; qq++)
+                    for (int64_t j = 0; j < jn; j++) a[qq][j] = acc[q0 + qq][j0 + j];
+                for (int64_t t = 0; t < n; t++) {
+                    vw vv[DCH];
+                    for (int64_t j = 0; j < jn; j++) vv[j] = loadw(vc + ((t0 + t) * D + (j0 + j) * VW) * es, es);
+                    for (int64_t qq = 0; qq < qn; qq++) {
+                        if (t0 + t > qpos[q0 + qq]) continue;
+                        float p = s[q0 + qq][t];
+                        for (int64_t j = 0; j < jn; j++) a[qq][j] += p * vv[j];
+                    }
                 }
+                for (int64_t qq = 0; qq < qn; qq++)
+                    for (int64_t j = 0; j < jn; j++) acc[q0 + qq][j0 + j] = a[qq][j];
             }
-            for (int64_t qq = 0; qq < qn; qq++)
-                for (int64_t j = 0; j < nv; j++) acc[q0 + qq][j] = a[qq][j];
-        }
     }
     for (int64_t qi = 0; qi < Q; qi++) {
         float sum = 0.0f;
-        for (int j = 0; j < 16; j++) sum += l[qi][j];
+        for (int j = 0; j < VW; j++) sum += l[qi][j];
         float inv = 1.0f / sum;
         char *o_row = out + ((qi / G) * out_rs + (qi % G) * D) * es;
         for (int64_t j = 0; j < nv; j++) {
-            v16 o = acc[qi][j] * inv;
+            vw o = acc[qi][j] * inv;
             if (es == 4) {
-                __builtin_memcpy(o_row + j * 16 * 4, &o, 64);
+                __builtin_memcpy(o_row + j * VW * 4, &o, sizeof o);
             } else {
-                uint16_t *ob = (uint16_t *)o_row + j * 16;
-                for (int c = 0; c < 16; c++) ob[c] = to_bf16(o[c]);
+                uint16_t *ob = (uint16_t *)o_row + j * VW;
+                for (int c = 0; c < VW; c++) ob[c] = to_bf16(o[c]);
             }
         }
     }
@@ -531,23 +657,23 @@ static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, co
         gemm(xn, lw->gate_up, gu, N, gu_w, C, es);
 #pragma omp parallel for schedule(static) if (N >= 16)
         for (int64_t m = 0; m < N; m++) /* silu(gate) * up; silu(g) = g / (1 + e^-g), e^-|g| never overflows */
-            for (int64_t c0 = 0; c0 < I; c0 += 16) {
-                v16 g, u;
-                int64_t n = I - c0 < 16 ? I - c0 : 16;
-                if (n == 16) { /* whole vectors (I is a multiple of 16 in the common models) */
-                    g = load16((const char *)gu + (m * gu_w + c0) * es, es);
-                    u = load16((const char *)gu + (m * gu_w + I + c0) * es, es);
+            for (int64_t c0 = 0; c0 < I; c0 += VW) {
+                vw g, u;
+                int64_t n = I - c0 < VW ? I - c0 : VW;
+                if (n == VW) { /* whole vectors (I is a multiple of 16 in the common models) */
+                    g = loadw((const char *)gu + (m * gu_w + c0) * es, es);
+                    u = loadw((const char *)gu + (m * gu_w + I + c0) * es, es);
                 } else
-                    for (int j = 0; j < 16; j++) {
+                    for (int j = 0; j < VW; j++) {
                         g[j] = j < n ? load1(gu, m * gu_w + c0 + j, es) : 0.0f;
                         u[j] = j < n ? load1(gu, m * gu_w + I + c0 + j, es) : 0.0f;
                     }
-                i32x16 neg = g < 0;
-                v16 e = exp16((v16)((i32x16)g | ((i32x16){0} + INT32_MIN))); /* e^-|g| */
-                v16 num = (v16)(((i32x16)g & ~neg) | ((i32x16)(g * e) & neg));
-                v16 r = num / (1.0f + e) * u;
-                if (n == 16 && es == 4)
-                    __builtin_memcpy((float *)xn + m * I + c0, &r, 64);
+                iw neg = g < 0;
+                vw e = expw((vw)((iw)g | ((iw){0} + INT32_MIN))); /* e^-|g| */
+                vw num = (vw)(((iw)g & ~neg) | ((iw)(g * e) & neg));
+                vw r = num / (1.0f + e) * u;
+                if (n == VW && es == 4)
+                    __builtin_memcpy((float *)xn + m * I + c0, &r, sizeof r);
                 else
                     for (int j = 0; j < n; j++) store1(xn, m * I + c0 + j, r[j], es);
             }

@@ -44,8 +44,24 @@ from pathlib import Path
 
 import torch
 
+from ..cachedir import cache_root, cached_file
+
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+
+
+def arch() -> str:
+    """The -march the library is built for: SPIN_BATCH_CPU_ARCH (default native). Another value builds
+    for an older instruction set on this machine, e.g. x86-64-v3 (AVX2 and FMA, no AVX-512): the tests
+    run the kernels and the greedy equality suite against that build too."""
+    a = os.environ.get("SPIN_BATCH_CPU_ARCH", "").strip() or "native"
+    if not all(c.isalnum() or c in "-_.+" for c in a):
+        raise ValueError(f"SPIN_BATCH_CPU_ARCH={a!r} is not a -march value")
+    return a
+
+
+def flags() -> tuple[str, ...]:
+    return (*BASE_FLAGS[:1], f"-march={arch()}", *BASE_FLAGS[1:])
 PANEL = 32  # outputs per micro-kernel call: padded to a multiple of this
 
 _state: dict[str, object] = {}
@@ -72,6 +88,24 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _digest(*parts: bytes) -> str:
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
+
+
+def _compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+def machine_key() -> str:
+    """This kind of machine and build: the flags, the CPU's feature flags and the compiler."""
+    return _digest(" ".join(flags()).encode(), platform.machine().encode(), _cpu_flags().encode(), _compiler().encode())
+
+
+def build_key() -> str:
+    """machine_key() and the source: what a measured plan (cpu_plan.py) is valid for."""
+    return f"{machine_key()}-{_digest(SOURCE.read_bytes())}"
+
+
 def _build(compiler: str) -> Path:
     """The library for this kind of machine and this source, compiled once into the cache.
 
@@ -79,17 +113,12 @@ def _build(compiler: str) -> Path:
     builds of older sources (a process that has one loaded keeps its mapping), so they do not pile up
     over upgrades, while other kinds of CPU sharing the cache keep theirs.
     """
-    from .loader import cache_root, cached_file
-
-    def digest(*parts: bytes) -> str:
-        return hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
-
-    machine = digest(" ".join(FLAGS).encode(), platform.machine().encode(), _cpu_flags().encode(), compiler.encode())
+    machine = machine_key()
     folder = cache_root() / "cpu_gemm"
-    out = folder / f"cpu_gemm-{machine}-{digest(SOURCE.read_bytes())}.so"
+    out = folder / f"cpu_gemm-{build_key()}.so"
 
     def compile_to(tmp: Path) -> None:
-        res = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+        res = subprocess.run([compiler, *flags(), str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
                              timeout=300)
         if res.returncode != 0:
             raise CpuGemmUnavailable(f"{compiler} failed: {res.stderr.strip()[-2000:]}")
@@ -111,7 +140,7 @@ def library() -> ctypes.CDLL | None:
         return _state["lib"]
     lib = None
     try:
-        compiler = os.environ.get("CC") or "cc"
+        compiler = _compiler()
         if shutil.which(compiler) is None:
             raise CpuGemmUnavailable(f"no C compiler ({compiler!r} is not on PATH)")
         lib = ctypes.CDLL(str(_build(compiler)))
@@ -133,6 +162,8 @@ def library() -> ctypes.CDLL | None:
         lib.spin_decoder.restype = ctypes.c_int
         lib.spin_decoder_scratch.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int]
         lib.spin_decoder_scratch.restype = ctypes.c_int64
+        lib.spin_isa.restype = ctypes.c_char_p
+        lib.spin_gemm_bf16_native.restype = ctypes.c_int
         for fn in (lib.spin_gemm_pack, lib.spin_gemm, lib.spin_gemm_pack_bf16, lib.spin_gemm_bf16, lib.spin_rms_norm):
             fn.restype = None
     except (CpuGemmUnavailable, OSError, subprocess.SubprocessError) as e:
@@ -140,9 +171,23 @@ def library() -> ctypes.CDLL | None:
             raise CpuGemmUnavailable(f"SPIN_BATCH_CPU_GEMM=on but the kernel cannot be built: {e}") from e
         warnings.warn(f"spin-batch: CPU GEMM and norm library unavailable, using oneDNN and torch instead ({e})",
                       stacklevel=2)
+        _state["error"] = str(e)
         lib = None
     _state["lib"] = lib
     return lib
+
+
+def unavailable_reason() -> str:
+    """Why library() returned None (after it did)."""
+    if mode() == "off":
+        return "SPIN_BATCH_CPU_GEMM=off"
+    return str(_state.get("error", "not built"))
+
+
+def build_info(lib: ctypes.CDLL) -> dict:
+    """What the loaded library was built for: -march, the GEMM's instruction set, the bfloat16 GEMM's kind."""
+    return {"march": arch(), "isa": lib.spin_isa().decode(),
+            "bf16_gemm": "avx512_bf16 dot products" if lib.spin_gemm_bf16_native() else "widened to float32"}
 
 
 def reset() -> None:

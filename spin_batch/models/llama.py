@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemm, cuda_graphs
+from . import cpu_gemm, cpu_plan, cuda_graphs
 from .cache import KVCache
+from .cpu_plan import CpuPlan
 from .segments import Segments
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -126,23 +128,43 @@ def _onednn_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def onednn_takes(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear runs this dtype on this CPU. Its bfloat16 path needs AVX-512
+    (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU (AMD Zen 2/3) torch refuses to prepack."""
+    if not _onednn_linear_available() or dtype not in PACKED_DTYPES:
+        return False
+    return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+_said: set[str] = set()
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _said:
+        _said.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
 class Linear:
     """x [N, in] -> x @ weight[out, in]^T (+ bias) -> [N, out].
 
-    On CPU, float32 weights, and bfloat16 ones where the CPU has AVX512-BF16, go to our panel GEMM
-    (cpu_gemm.py): it streams them near memory speed at the loop's batch sizes and keeps each row's
-    result independent of the batch. Where that kernel is off or cannot be built, and for other
-    bfloat16 CPUs, the weight is prepacked once into oneDNN's blocked layout: oneDNN streams the
-    weights about 2x faster than the MKL sgemm behind F.linear at N = 1 and 2.5-3x faster at
-    N = 5..80 (same fp32 math, results within a few ulp). Other devices use F.linear.
+    On CPU, with panel=True (the model's plan chose the C path, see cpu_plan.py), float32 and bfloat16
+    weights go to our panel GEMM (cpu_gemm.py): it streams them near memory speed at the loop's batch
+    sizes and keeps each row's result independent of the batch. Otherwise the weight is prepacked once
+    into oneDNN's blocked layout where oneDNN takes its dtype on this CPU, and runs on torch's F.linear
+    where it does not (bfloat16 without AVX-512: slower, but it runs; said once). Other devices use
+    F.linear. panel=None: the C path wherever it applies.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, panel: bool | None = None):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.panel = cpu_gemm.panel_weight(weight)
-        self.packed = (self.panel is None and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
-                       and _onednn_linear_available())
+        self.panel = cpu_gemm.panel_weight(weight) if panel is not False else None
+        cpu = weight.device.type == "cpu"
+        self.packed = self.panel is None and cpu and onednn_takes(weight.dtype)
+        if self.panel is None and cpu and weight.dtype == torch.bfloat16 and not self.packed:
+            _say_once("bf16-linear", "spin-batch: oneDNN's bfloat16 GEMM needs AVX-512 or AVX-NE-CONVERT, which this "
+                      "CPU lacks: bfloat16 linears off the C path run on torch's generic GEMM (slower)")
         if self.panel is not None:
             self.weight = None
         elif self.packed:
@@ -363,8 +385,10 @@ class LlamaModel:
         max_len: int | None = None,
         embed_proj: torch.Tensor | None = None,  # [C, E]: embeddings of width E projected to C
         vocab_ids: torch.Tensor | None = None,  # [K] long: target id of each lm_head row
+        plan: CpuPlan | None = None,  # the CPU path (cpu_plan.py); None: the C kernels wherever they apply
     ):
         self.spec = spec
+        self.plan = plan or (cpu_plan.DEFAULT_C if embed.device.type == "cpu" else cpu_plan.TORCH)
         self.embed = embed
         self.embed_proj = None if embed_proj is None else Linear(embed_proj)
         self.vocab_ids = vocab_ids
@@ -376,15 +400,15 @@ class LlamaModel:
             lw.attn_norm, lw.mlp_norm = lw.attn_norm.float(), lw.mlp_norm.float()
         self.layers = layers
         self.norm = norm.float()
-        self.lm_head = Linear(lm_head)
+        self.lm_head = Linear(lm_head, panel=None if plan is None else plan.lm_head == "c")
         self.dtype = embed.dtype
         self.device = embed.device
         self.kernels = kernels_module(self.device)  # Triton kernels, or None for the torch path
         # CUDA graphs of the short (decode, verify) forwards on the Triton path, or None
         self.graphs = cuda_graphs.StepGraphs(self) if cuda_graphs.enabled(self.device, self.kernels) else None
         self.cpu_lib = cpu_gemm.library() if self.device.type == "cpu" else None  # the C norm, or None
-        # The C attention (cpu_gemm.c) on CPU where it takes this model, else the torch path.
-        self.c_attention = self.cpu_lib is not None and cpu_gemm.attention_applies(
+        # The C attention (cpu_gemm.c) on CPU where the plan has it and it takes this model, else the torch path.
+        self.c_attention = self.cpu_lib is not None and self.plan.c_attention and cpu_gemm.attention_applies(
             self.cpu_lib, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self._rope_len = 0
         self._ensure_rope(max_len or min(spec.max_position_embeddings, 4096))
@@ -399,18 +423,21 @@ class LlamaModel:
 
     @classmethod
     def from_state_dict(
-        cls, spec: ModelSpec, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str
+        cls, spec: ModelSpec, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str,
+        plan: CpuPlan | None = None,
     ) -> "LlamaModel":
         def get(name: str) -> torch.Tensor:
             return sd[name].to(device=device, dtype=dtype).contiguous()
 
         embed = get("model.embed_tokens.weight")
         head = embed if spec.tie_word_embeddings or "lm_head.weight" not in sd else get("lm_head.weight")
-        return cls(spec, embed, cls.layers_from_state_dict(spec, get), get("model.norm.weight"), head)
+        layers = cls.layers_from_state_dict(spec, get, None if plan is None else plan.c_linears)
+        return cls(spec, embed, layers, get("model.norm.weight"), head, plan=plan)
 
     @staticmethod
-    def layers_from_state_dict(spec: ModelSpec, get) -> list[LayerWeights]:
-        """The decoder layers, fused (qkv, gate_up); get(name) returns a tensor on the target device."""
+    def layers_from_state_dict(spec: ModelSpec, get, panel: bool | None = None) -> list[LayerWeights]:
+        """The decoder layers, fused (qkv, gate_up); get(name) returns a tensor on the target device; panel
+        as for Linear."""
         layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
@@ -422,11 +449,11 @@ class LlamaModel:
             layers.append(
                 LayerWeights(
                     attn_norm=get(p + "input_layernorm.weight"),
-                    qkv=Linear(wqkv, bqkv),
-                    o=Linear(get(p + "self_attn.o_proj.weight")),
+                    qkv=Linear(wqkv, bqkv, panel),
+                    o=Linear(get(p + "self_attn.o_proj.weight"), panel=panel),
                     mlp_norm=get(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(w_gate_up),
-                    down=Linear(get(p + "mlp.down_proj.weight")),
+                    gate_up=Linear(w_gate_up, panel=panel),
+                    down=Linear(get(p + "mlp.down_proj.weight"), panel=panel),
                 )
             )
         return layers

@@ -8,8 +8,6 @@ and loaded from there afterwards. Nothing is ever fetched from a model hub.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib.util
 import json
 import os
@@ -21,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ..cachedir import cache_root, cached_file, file_lock  # noqa: F401 (cached_file: re-exported)
+from . import cpu_plan
 from .llama import LlamaModel, ModelSpec
 
 BUILTIN_PREFIX = "builtin:"
@@ -35,10 +35,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ModelNotFoundError(FileNotFoundError):
     pass
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPIN_BATCH_CACHE") or Path.home() / ".cache" / "spin-batch")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -114,10 +110,14 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def load_model(model_dir: Path, dtype: str = "float32", device: str | torch.device = "cpu") -> LlamaModel:
+def load_model(model_dir: Path, dtype: str = "float32", device: str | torch.device = "cpu",
+               loop: tuple[tuple[int, int], ...] | None = None, plan: cpu_plan.CpuPlan | None = None) -> LlamaModel:
+    """The model, on the CPU path measured fastest here for the loop's forwards (cpu_plan.workloads()),
+    or on `plan` where given."""
     spec = read_spec(model_dir)
     dev = torch.device(device) if isinstance(device, str) else device
-    return LlamaModel.from_state_dict(spec, load_state_dict(model_dir), DTYPES[dtype], dev)
+    plan = plan or cpu_plan.plan(spec, DTYPES[dtype], dev, loop)
+    return LlamaModel.from_state_dict(spec, load_state_dict(model_dir), DTYPES[dtype], dev, plan)
 
 
 def load_tokenizer(model_dir: Path):
@@ -127,36 +127,6 @@ def load_tokenizer(model_dir: Path):
 
 
 # -- the embedded model ------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def file_lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def cached_file(out: Path, make) -> Path:
-    """out, made once by make(tmp_path) if it does not exist: under a file lock, into a temporary file in
-    the same directory that is renamed into place, so concurrent jobs (a Slurm array) never see half of it."""
-    if out.exists():
-        return out
-    with file_lock(out.parent / f".{out.name}.lock"):
-        if not out.exists():
-            fd, tmp = tempfile.mkstemp(prefix=f".{out.name}-", dir=out.parent)
-            os.close(fd)
-            try:
-                make(Path(tmp))
-                os.chmod(tmp, 0o644 | (os.stat(tmp).st_mode & 0o111))  # mkstemp's 0600 would hide it from others
-                os.replace(tmp, out)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-    return out
 
 
 def builtin_gguf(name: str) -> Path:
