@@ -1,4 +1,4 @@
-"""The `spin-batch` command line: run, validate, models."""
+"""The `spin-batch` command line: run, validate, bench, report, distill, models, env."""
 
 from __future__ import annotations
 
@@ -285,6 +285,72 @@ def models():
         path = loader.cache_root() / folder
         state = "converted" if (path / "config.json").exists() else f"not converted yet ({loader.INSTALL_HINT[name]})"
         click.echo(f"builtin:{name}\t{path}\t{state}")
+
+
+@main.command()
+@click.argument("job_path", metavar="[JOB.yaml]", required=False, type=click.Path(dir_okay=False))
+@set_option
+def env(job_path, overrides):
+    """Say what this machine runs on: the CPU, the C kernels' build, torch, and with a job, the path
+    (C kernels or torch) each of its models would take here and why (measured once, then cached)."""
+    import platform
+
+    import torch
+
+    from .models import cpu_gemm, cpu_plan
+
+    def flag_line() -> str:
+        have = set(cpu_gemm._cpu_flags().split())
+        wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "avx_ne_convert", "asimd", "sve")
+        return " ".join(f for f in wanted if f in have) or "(none of the ones spin-batch uses)"
+
+    click.echo(f"cpu\t{_cpu_model()} ({platform.machine()}), {torch.get_num_threads()} threads")
+    click.echo(f"cpu flags\t{flag_line()}")
+    click.echo(f"torch\t{torch.__version__}, kernels {torch.backends.cpu.get_cpu_capability()}, oneDNN bfloat16 "
+               f"{'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no (bfloat16 off the C path uses torch GEMM)'}")
+    lib = cpu_gemm.library()
+    if lib is None:
+        click.echo(f"c kernels\tunavailable: {cpu_gemm.unavailable_reason()}")
+    else:
+        info = cpu_gemm.build_info(lib)
+        click.echo(f"c kernels\t-march={info['march']}, {info['isa']} GEMM, bfloat16 GEMM {info['bf16_gemm']} "
+                   f"(SPIN_BATCH_CPU_GEMM={cpu_gemm.mode()})")
+    if job_path is None:
+        return
+    from .models import loader
+    from .models.draft import draft_meta
+
+    job = _load(job_path, overrides)
+    device = loader.resolve_device(job.target.device)
+    models = [("target", job.target.model, job.target.dtype,
+               cpu_plan.workloads(job.batch.slots, job.spin.num_speculative_tokens if job.drafters else 0))]
+    models += [(d.name, d.model, d.dtype or job.target.dtype, cpu_plan.workloads(job.batch.slots, 0))
+               for d in job.drafters if getattr(d, "model", None)]
+    for name, ref, dtype, loop in models:
+        problems = loader.check_model_ref(ref)
+        if problems:
+            click.echo(f"{name}\t{problems[0]}")
+            continue
+        model_dir = loader.resolve_model_dir(ref)
+        if draft_meta(model_dir) is not None:
+            click.echo(f"{name}\ta distilled draft: planned when it loads with its target (see summary.json)")
+            continue
+        p = cpu_plan.plan(loader.read_spec(model_dir), loader.DTYPES[dtype], device, loop)
+        click.echo(f"{name}\tlayers {p.layers}, LM head {p.lm_head} ({dtype}): {p.why}")
+        if p.ms:
+            click.echo(f"\tmeasured ms: {p.ms}")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from .engine.sampling import SamplingParams
 from .io.reader import (Request, assign, check_columns, check_input, iter_requests, list_shards,
                         shard_defaults_from_env)
 from .io.writer import OutputWriter, StatsWriter, cleanup_temp, make_run_id, read_done, write_json_atomic
-from .models import loader
+from .models import cpu_plan, loader
 from .models.draft import TargetFeatures, check_pairing, draft_meta, load_draft
 from .models.llama import LlamaModel
 from .stats import RunStats
@@ -182,11 +182,12 @@ def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: tor
         elif isinstance(d, ModelDrafterConfig):
             draft_dir = loader.resolve_model_dir(d.model)
             meta = draft_meta(draft_dir)
+            loop = cpu_plan.workloads(job.batch.slots, 0)  # a draft decodes one token a slot at a time
             if meta is not None:  # distilled: reads the target's embeddings (and maybe its features)
                 dtype = d.dtype or distilled_draft_dtype(job.target.dtype, device)
-                model = load_draft(draft_dir, target, loader.DTYPES[dtype], device, embeds)
+                model = load_draft(draft_dir, target, loader.DTYPES[dtype], device, embeds, loop)
             else:
-                model = loader.load_model(draft_dir, d.dtype or job.target.dtype, device)
+                model = loader.load_model(draft_dir, d.dtype or job.target.dtype, device, loop)
             if model.spec.vocab_size != target.spec.vocab_size:
                 raise ValueError(f"drafter {d.name!r}: vocab size {model.spec.vocab_size} differs from the "
                                  f"target's {target.spec.vocab_size}")
@@ -233,7 +234,8 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     device = loader.resolve_device(job.target.device)
     target_dir = loader.resolve_model_dir(job.target.model)
     tokenizer = loader.load_tokenizer(target_dir)
-    target = loader.load_model(target_dir, job.target.dtype, device)
+    loop = cpu_plan.workloads(job.batch.slots, job.spin.num_speculative_tokens if job.drafters else 0)
+    target = loader.load_model(target_dir, job.target.dtype, device, loop)
     cache = target.allocate_cache(job.batch.slots, job.batch.max_model_len)
     drafters = build_drafters(job, target, cache, device)
     policy = make_policy(job.spin.selector, drafters, job.spin.num_speculative_tokens, job.sampling.seed,
@@ -241,6 +243,16 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     loop = BatchLoop(target, tokenizer, loop_settings(job, eos_ids(target_dir, tokenizer), device), policy, drafters,
                      cache, stats)
     return Engine(target_dir, target, tokenizer, loop, time.perf_counter() - t0)
+
+
+def backends(engine: Engine) -> dict:
+    """Which path each model runs on and why (cpu_plan.py): the target's, and each model drafter's."""
+    out = {"target": engine.target.plan.describe()}
+    for name, d in engine.loop.drafters.items():
+        model = getattr(d, "model", None)
+        if isinstance(model, LlamaModel) and model is not engine.target:
+            out[name] = model.plan.describe()
+    return out
 
 
 # -- running a job -----------------------------------------------------------------------
@@ -363,6 +375,7 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
         "finished": stop.signum is None,
         **stats.summary(),
         "drafter_stats": {n: d.stats() for n, d in engine.loop.drafters.items() if d.stats()},
+        "backends": backends(engine),
     }
     name = "summary.json" if num_shards == 1 else f"summary-{worker}.json"
     write_json_atomic(out / name, summary)

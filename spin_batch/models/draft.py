@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -116,13 +117,15 @@ class FeatureHead:
 
 
 def load_draft(draft_dir: Path, target: LlamaModel, dtype: torch.dtype, device: torch.device,
-               embeds: dict[torch.dtype, torch.Tensor] | None = None) -> LlamaModel:
+               embeds: dict[torch.dtype, torch.Tensor] | None = None,
+               loop: tuple[tuple[int, int], ...] | None = None) -> LlamaModel:
     """An inference LlamaModel for a distilled draft, sharing the target's embedding tensor.
 
     A feature-reading draft gets a `feature_head` (FeatureHead); a plain one a precomputed
     [K, C] lm_head, so one matmul scores the kept ids. `embeds` caches the target's embedding
     cast to `dtype`, so drafts loaded together share one copy.
     """
+    from . import cpu_plan
     from .loader import load_state_dict, read_spec
 
     meta = draft_meta(draft_dir)
@@ -146,9 +149,10 @@ def load_draft(draft_dir: Path, target: LlamaModel, dtype: torch.dtype, device: 
     # The target's head restricted to the kept ids, with its final norm weight folded in: [K, E].
     head_e = embed[vocab_ids].float() * target.norm.float()
     proj = sd["lm_head_proj.weight"].to(device=device, dtype=torch.float32)  # [E, C]
-    model = LlamaModel(spec, embed, LlamaModel.layers_from_state_dict(spec, get), get("model.norm.weight"),
-                       (head_e @ proj).to(dtype).contiguous(), embed_proj=get("model.embed_proj.weight"),
-                       vocab_ids=vocab_ids)
+    plan = cpu_plan.plan(replace(spec, vocab_size=len(vocab_ids)), dtype, torch.device(device), loop)
+    model = LlamaModel(spec, embed, LlamaModel.layers_from_state_dict(spec, get, plan.c_linears),
+                       get("model.norm.weight"), (head_e @ proj).to(dtype).contiguous(),
+                       embed_proj=get("model.embed_proj.weight"), vocab_ids=vocab_ids, plan=plan)
     if meta.get("reads_target_features"):
         model.feature_head = FeatureHead(proj.to(dtype).contiguous(), head_e.to(dtype).contiguous())
     return model
