@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# Sets up the environment if needed, then runs the whole test suite.
+# Sets up the environment if needed, then runs the whole test suite; on x86-64, runs the kernel tests and
+# the greedy equality suite a second time against the C kernels built for x86-64-v3 (AVX2 and FMA, no
+# AVX-512) with torch's kernels and oneDNN held to AVX2 too: what an AMD Zen 2/3 runs, emulated here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # pytest's own script, not `python -m pytest`: -m puts the working directory on sys.path, and
 # there the top-level kernels/ (the source of spin_batch.kernels) would shadow the PyPI package
 # `kernels` that recent transformers imports. For the same reason tests/ is not a package.
-exec "${SPIN_BATCH_VENV:-.venv}/bin/pytest" -q "$@"
+PYTEST="${SPIN_BATCH_VENV:-.venv}/bin/pytest"
+"$PYTEST" -q "$@"
+if [ $# -eq 0 ] && [ "$(uname -m)" = x86_64 ]; then
+  echo "== again on the x86-64-v3 build, torch held to AVX2 (a CPU without AVX-512) =="
+  SPIN_BATCH_CPU_ARCH=x86-64-v3 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 "$PYTEST" -q \
+    tests/test_cpu_gemm.py tests/test_cpu_plan.py tests/test_llama.py tests/test_spec_equality.py tests/test_distill.py
+fi

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from spin_batch.models import cpu_gemm
+from spin_batch.models import llama
 from spin_batch.models.llama import Linear
 
 
@@ -51,8 +52,7 @@ def test_linear_uses_it_for_float32_and_adds_the_bias(lib):
 
 @pytest.fixture
 def bf16_lib(lib):
-    if not lib.spin_gemm_bf16_ok():
-        pytest.skip("this CPU has no AVX512-BF16: bfloat16 linears stay on oneDNN (tested below)")
+    assert lib.spin_gemm_bf16_ok()  # every build has one (see cpu_gemm.c)
     return lib
 
 
@@ -80,18 +80,20 @@ def test_bf16_rows_result_does_not_depend_on_its_batch(bf16_lib):
         assert torch.equal(pw(x[lo:hi]), full[lo:hi]), (lo, hi)
 
 
-def test_linear_uses_it_for_bfloat16_where_the_cpu_has_it(lib):
+def test_linear_uses_it_for_bfloat16_on_every_cpu(lib):
+    """Every build has a bfloat16 GEMM: AVX512-BF16's dot products where the CPU has them, else the weights
+    widened to float32 (AVX2, AVX-512 without BF16, NEON)."""
     w, b, x = torch.randn(50, 40).bfloat16(), torch.randn(50).bfloat16(), torch.randn(3, 40).bfloat16()
     lin = Linear(w, b)
-    if lib.spin_gemm_bf16_ok():
-        assert lin.panel is not None and lin.weight is None
-    else:
-        assert lin.panel is None and lin.packed
+    assert lib.spin_gemm_bf16_ok() and lin.panel is not None and lin.weight is None
     y = lin(x)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=2e-2, atol=2e-2)
-    odd = Linear(torch.randn(8, 7).bfloat16())  # the kernel reads inputs in pairs: odd widths stay on oneDNN
-    assert odd.panel is None and odd.packed
+    w_odd = torch.randn(8, 7).bfloat16()
+    odd = Linear(w_odd)  # the kernel reads inputs in pairs: odd widths go to torch
+    assert odd.panel is None and odd.packed == llama.onednn_takes(torch.bfloat16)
+    x_odd = torch.randn(2, 7).bfloat16()
+    torch.testing.assert_close(odd(x_odd), x_odd @ w_odd.T, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
@@ -99,13 +101,12 @@ def test_throughput_block_leaves_bfloat16_to_onednn_on_amx_only(lib, monkeypatch
     """Inside throughput_gemm() (the distill teacher), bfloat16 weights go to oneDNN where the CPU has
     AMX, and the result is the same product; float32 weights, and everything outside the block, keep
     the panel GEMM."""
-    if not lib.spin_gemm_bf16_ok():
-        pytest.skip("no AVX512-BF16 here: bfloat16 linears are on oneDNN anyway")
-    monkeypatch.setattr(cpu_gemm, "_amx", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     w, x = torch.randn(50, 40).bfloat16(), torch.randn(3, 40).bfloat16()
     with cpu_gemm.throughput_gemm():
         fast, f32 = Linear(w), Linear(w.float())
-    assert (fast.panel is None and fast.packed) if amx else fast.panel is not None
+    to_onednn = amx and llama.onednn_takes(torch.bfloat16)  # oneDNN held to AVX2 cannot use the tiles
+    assert (fast.panel is None and fast.packed) if to_onednn else fast.panel is not None
     assert f32.panel is not None
     assert Linear(w).panel is not None  # the block has ended
     torch.testing.assert_close(fast(x), torch.nn.functional.linear(x, w), rtol=2e-2, atol=2e-2)
@@ -271,8 +272,6 @@ def test_the_c_decoder_matches_the_per_layer_path(lib, tiny_dir, tiny_qwen_dir, 
     from spin_batch.models.loader import load_model
     from spin_batch.models.segments import Segments
 
-    if dtype == "bfloat16" and not lib.spin_gemm_bf16_ok():
-        pytest.skip("no AVX512-BF16 here: bfloat16 linears stay on oneDNN, so the C decoder does not apply")
     for model_dir in (tiny_dir, tiny_qwen_dir):
         model = load_model(model_dir, dtype, torch.device("cpu"))
         assert model.c_decoder is not None

@@ -235,16 +235,16 @@ def throughput_gemm():
 
 
 def _amx() -> bool:
+    """AMX tiles that oneDNN's bfloat16 GEMM can use (oneDNN may be held below AVX-512 by ONEDNN_MAX_CPU_ISA)."""
     is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(is_amx and is_amx())
+    return bool(is_amx and is_amx() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def panel_weight(weight: torch.Tensor) -> PanelWeight | None:
     """weight packed for the kernel, when it applies and is available; else None.
 
-    It applies to 2-D CPU weights in float32, and in bfloat16 where the CPU has AVX512-BF16 (the
-    library says so) and the input width is even (the kernel reads inputs in pairs), except inside
-    throughput_gemm() on an AMX CPU.
+    It applies to 2-D CPU weights in float32, and in bfloat16 where the input width is even (the kernel
+    reads inputs in pairs), except inside throughput_gemm() on an AMX CPU.
     """
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
