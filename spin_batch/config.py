@@ -6,6 +6,10 @@ is collected and reported at once in a single :class:`ConfigError`, each line
 prefixed by the key path it concerns (``batch.slots: ...``,
 ``drafters[1].layers: ...``).
 
+Paths (``input.paths``, ``output.dir``, ``target.model``, a model drafter's ``model``) have
+``~`` and ``$VAR``/``${VAR}`` expanded when the job is parsed (``$$`` is a literal ``$``); an
+unset or empty variable is a problem naming it.
+
 Public API::
 
     load_job(path, overrides=()) -> JobConfig
@@ -193,6 +197,47 @@ def _texts(nonempty: bool) -> Check:
     return check
 
 
+_ENV_VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
+def _expand_path(text: str) -> str:
+    """``~`` and ``$VAR``/``${VAR}`` expanded (``$$`` is a literal ``$``); an unset or empty
+    variable is a problem, not a path with a ``$`` in it."""
+    missing: list[str] = []
+
+    def var(m: re.Match) -> str:
+        name = m.group(1) or m.group(2)
+        value = os.environ.get(name, "")
+        if not value:
+            missing.append(name)
+        return value
+
+    parts = [_ENV_VAR.sub(var, piece) for piece in text.split("$$")]
+    if missing:
+        names = ", ".join(f"${n}" for n in dict.fromkeys(missing))
+        raise _Invalid(f"environment variable {names} is not set (or empty) in {text!r}")
+    return os.path.expanduser("$".join(parts))
+
+
+def _path(value: Any) -> str:
+    """A non-empty path string, with ``~`` and environment variables expanded."""
+    return _expand_path(_text()(value))
+
+
+def _paths(value: Any) -> tuple[str, ...]:
+    """A path or a non-empty list of paths, each expanded like :func:`_path`."""
+    items = _texts(nonempty=True)(value)
+    expanded, problems = [], []
+    for item in items:
+        try:
+            expanded.append(_expand_path(item))
+        except _Invalid as exc:
+            problems.append(str(exc))
+    if problems:
+        raise _Invalid("; ".join(problems))
+    return tuple(expanded)
+
+
 def _optional(check: Check) -> Check:
     """Accept ``null`` (-> ``None``) or whatever ``check`` accepts."""
     return lambda value: None if value is None else check(value)
@@ -354,17 +399,20 @@ class InputConfig:
     messages_column: str = "messages"
     chat_template: Literal["auto", True, False] = "auto"
     system_prompt: str | None = None
+    # a JSONL line longer than this becomes an error row without being read whole (memory stays bounded)
+    max_line_bytes: int = 64 * 1024 * 1024
 
     @classmethod
     def _parse(cls, s: _Section) -> InputConfig:
         return cls(
-            paths=s.take("paths", _texts(nonempty=True)),
+            paths=s.take("paths", _paths),
             format=s.take("format", _choice("auto", "jsonl", "parquet")),
             id_column=s.take("id_column", _text()),
             prompt_column=s.take("prompt_column", _text()),
             messages_column=s.take("messages_column", _text()),
             chat_template=s.take("chat_template", _choice("auto", True, False)),
             system_prompt=s.take("system_prompt", _optional(_text(nonempty=False))),
+            max_line_bytes=s.take("max_line_bytes", _int(lo=1)),
         )
 
 
@@ -381,7 +429,7 @@ class OutputConfig:
     def _parse(cls, s: _Section) -> OutputConfig:
         positive = _num(lambda x: x > 0, "> 0")
         return cls(
-            dir=s.take("dir", _text()),
+            dir=s.take("dir", _path),
             rows_per_part=s.take("rows_per_part", _int(lo=1)),
             flush_interval_s=s.take("flush_interval_s", positive),
             stats_interval_s=s.take("stats_interval_s", positive),
@@ -400,7 +448,7 @@ class TargetConfig:
     def _parse(cls, s: _Section) -> TargetConfig:
         device = _pattern(r"auto|cpu|cuda(:[0-9]+)?", "auto, cpu, cuda or cuda:<index>")
         return cls(
-            model=s.take("model", _text()),
+            model=s.take("model", _path),
             dtype=s.take("dtype", _dtype),
             device=s.take("device", device),
         )
@@ -436,7 +484,7 @@ class ModelDrafterConfig:
     def _parse(cls, s: _Section, name: str) -> ModelDrafterConfig:
         return cls(
             name=name,
-            model=s.take("model", _text()),
+            model=s.take("model", _path),
             dtype=s.take("dtype", _optional(_dtype)),
         )
 

@@ -617,3 +617,47 @@ def test_pipeline_switch_takes_yaml_on_off_as_written():
     assert parse_job(minimal(), ["spin.pipeline=auto"]).spin.pipeline == "auto"
     with pytest.raises(ConfigError, match="spin.pipeline: must be one of 'auto', 'on', 'off', got int 1"):
         parse_job(minimal(), ["spin.pipeline=1"])
+
+
+# ----------------------------------------------------------------- paths: ~ and $VAR
+
+
+def test_paths_expand_home_and_environment_variables(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DATA", "/data/set")
+    monkeypatch.setenv("MODELS", "/models")
+    raw = minimal()
+    raw["input"]["paths"] = ["$DATA/a.jsonl", "${DATA}/b/*.jsonl", "~/c.jsonl", "/cost/$$5.jsonl"]
+    raw["output"]["dir"] = "~/out/$DATA"
+    raw["target"] = {"model": "$MODELS/target"}
+    raw["drafters"] = [{"name": "small", "kind": "model", "model": "${MODELS}/small"}]
+    job = parse_job(raw)
+    assert job.input.paths == ("/data/set/a.jsonl", "/data/set/b/*.jsonl", f"{tmp_path}/home/c.jsonl",
+                               "/cost/$5.jsonl")
+    assert job.output.dir == f"{tmp_path}/home/out//data/set"
+    assert job.target.model == "/models/target"
+    assert job.drafter("small").model == "/models/small"
+    assert parse_job(minimal()).target.model == "builtin:smollm2-135m"  # nothing to expand
+
+
+def test_unset_environment_variable_in_a_path_is_a_job_error(monkeypatch):
+    monkeypatch.delenv("SPIN_NOPE", raising=False)
+    monkeypatch.setenv("SPIN_EMPTY", "")
+    raw = minimal()
+    raw["input"]["paths"] = ["ok.jsonl", "$SPIN_NOPE/a.jsonl"]
+    raw["output"]["dir"] = "${SPIN_EMPTY}/out"
+    raw["target"] = {"model": "$SPIN_NOPE/m"}
+    with pytest.raises(ConfigError) as info:
+        parse_job(raw)
+    problems = info.value.problems
+    assert "input.paths: environment variable $SPIN_NOPE is not set (or empty) in '$SPIN_NOPE/a.jsonl'" in problems
+    assert any(p.startswith("output.dir: environment variable $SPIN_EMPTY is not set") for p in problems), problems
+    assert any(p.startswith("target.model: environment variable $SPIN_NOPE") for p in problems), problems
+
+
+def test_max_line_bytes():
+    assert parse_job(minimal()).input.max_line_bytes == 64 * 1024 * 1024
+    raw = minimal()
+    raw["input"]["max_line_bytes"] = 0
+    with pytest.raises(ConfigError, match="input.max_line_bytes: must be an integer >= 1"):
+        parse_job(raw)
