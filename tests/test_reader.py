@@ -189,6 +189,57 @@ def test_jsonl_utf8_bom_and_crlf(tmp_path: Path) -> None:
     assert [(r.id, r.prompt, r.ok) for r in got] == [("a", "x", True), ("b", "y", True)]
 
 
+def test_a_jsonl_line_over_max_line_bytes_is_an_error_row_never_read_whole(tmp_path: Path) -> None:
+    import tracemalloc
+
+    limit = 1 << 20
+    ok = json.dumps({"id": "a", "prompt": "x" * (limit - 40)}).encode()
+    ok = ok[:-2] + b"x" * (limit - len(ok)) + ok[-2:]  # exactly max_line_bytes, newline excluded
+    path = tmp_path / "long.jsonl"
+    with open(path, "wb") as f:
+        f.write(ok + b"\n")
+        big = b'{"id": "big", "prompt": "' + b"y" * (24 << 20) + b'"}'  # 24 MiB
+        f.write(big + b"\n\n" + json.dumps({"id": "c", "prompt": "after"}).encode() + b"\n")
+        tail = b'{"id": "tail", "prompt": "' + b"z" * limit + b'"}'
+        f.write(tail)  # no newline at the end
+    tracemalloc.start()
+    try:
+        got = all_requests(path, max_line_bytes=limit)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 6 * limit, f"peak {peak / 2**20:.1f} MiB while reading a 24 MiB line with a 1 MiB bound"
+    base = str(path.resolve())
+    assert [(r.source, r.id, r.ok) for r in got] == [
+        (f"{base}#0", "a", True), (f"{base}#1", None, False), (f"{base}#3", "c", True), (f"{base}#4", None, False)]
+    assert got[0].prompt == "x" * (len(got[0].prompt))
+    assert got[1].error == f"line is {len(big)} bytes, more than input.max_line_bytes ({limit}); not read"
+    assert got[3].error.startswith(f"line is {len(tail)} bytes")
+    assert any("1 bad row (line too long)" in p for p in check_input([path.resolve()], max_line_bytes=24 << 20))
+
+
+def test_jsonl_columns_checked_from_the_first_rows(tmp_path: Path) -> None:
+    """A JSONL job whose prompt_column (or id/messages column) names a field none of the first
+    rows has is a job error before any model loads, as a Parquet shard's missing column is."""
+    rows = [{"id": f"r{i}", "prompt": f"p{i}"} for i in range(150)]
+    path = write_jsonl(tmp_path / "a.jsonl", ["", b"not json", *rows])
+    shards = [path.resolve()]
+    reader.check_columns(shards)  # fine as it is
+    with pytest.raises(InputError, match=r"a.jsonl: needs a prompt column 'promt' or a messages column 'messages': "
+                                         r"none of its first 99 rows has it \(fields: id, prompt\)"):
+        reader.check_columns(shards, prompt_column="promt")
+    with pytest.raises(InputError, match="missing id column 'uid'"):
+        reader.check_columns(shards, id_column="uid")
+    # a field that only later rows have is not looked for past the first rows
+    late = write_jsonl(tmp_path / "late.jsonl", [{"id": "x", "messages": None}] * 3 + [{"id": "y", "prompt": "p"}])
+    reader.check_columns([late.resolve()], jsonl_rows=4)
+    with pytest.raises(InputError, match="none of its first 3 rows"):
+        reader.check_columns([late.resolve()], jsonl_rows=3, messages_column="chat")
+    # nothing to judge by: no JSON objects among the first rows
+    junk = write_jsonl(tmp_path / "junk.jsonl", [b"[1]", b"{bad"])
+    reader.check_columns([junk.resolve()], prompt_column="promt")
+
+
 def test_parquet_rows_and_custom_columns(tmp_path: Path) -> None:
     path = write_parquet(
         tmp_path / "in.parquet",
@@ -203,7 +254,7 @@ def test_messages_rows_jsonl_and_parquet(tmp_path: Path) -> None:
     chat = [{"role": "system", "content": ""}, {"role": "user", "content": "hi"}]
     jsonl = write_jsonl(
         tmp_path / "chat.jsonl",
-        [{"id": "a", "messages": chat, "prompt": "ignored"}, {"id": "b", "messages": None, "prompt": "plain"}],
+        [{"id": "a", "messages": chat, "prompt": None}, {"id": "b", "messages": None, "prompt": "plain"}],
     )
     got = all_requests(jsonl)
     assert got[0].messages == tuple(chat) and got[0].prompt is None and got[0].ok
@@ -213,6 +264,23 @@ def test_messages_rows_jsonl_and_parquet(tmp_path: Path) -> None:
     got = all_requests(parquet)
     assert got[0].ok and got[0].messages == tuple(chat)
     assert got[1].error == "missing prompt" and got[1].id == "d"
+
+
+def test_a_row_with_both_prompt_and_messages_is_an_error_row(tmp_path: Path) -> None:
+    """Which of the two to decode would be a guess (a dataset may hold a flattened prompt beside a
+    whole conversation): the row says so, and a row with one of them null is fine."""
+    chat = [{"role": "user", "content": "hi"}]
+    jsonl = write_jsonl(tmp_path / "both.jsonl", [{"id": "a", "messages": chat, "prompt": "other"},
+                                                  {"id": "b", "messages": chat, "prompt": None}])
+    parquet = write_parquet(tmp_path / "both.parquet", {"id": ["c", "d"], "prompt": ["other", None],
+                                                        "messages": [chat, chat]})
+    for path in (jsonl, parquet):
+        both, one = all_requests(path)
+        assert not both.ok and both.messages is None and both.prompt is None
+        assert both.error == "row has both 'prompt' and 'messages'; give one of them (the other null or absent)"
+        assert one.ok and one.messages == tuple(chat)
+    ray = reader.requests_from_rows([{"id": "e", "text": "x", "chat": chat}], prompt_column="text", messages_column="chat")
+    assert ray[0].error.startswith("row has both 'text' and 'chat'")
 
 
 # --------------------------------------------------------------------------

@@ -6,7 +6,15 @@ missing id, empty prompt, ...) become requests with ``error`` set, so the job
 writes an error row for them instead of stopping.
 
 Memory stays bounded: JSONL is read one line at a time and Parquet one record
-batch at a time, reading only the columns that are needed.
+batch at a time, reading only the columns that are needed. A JSONL line longer
+than ``max_line_bytes`` (``input.max_line_bytes``) is never held whole: it is
+skipped in chunks and becomes an error row.
+
+JSONL: blank lines (empty or only whitespace) are skipped without a row; they
+still count in the line numbers, so a row's source names its real line.
+
+A row with both a prompt and messages (both non-null) is an error row: which
+one to decode would be a guess.
 
 Each row has a ``source`` key, ``"<absolute shard path>#<row index>"``, which
 stays the same across reruns and is used to resume an interrupted job.
@@ -48,6 +56,11 @@ _DIR_SUFFIXES = {".jsonl", ".ndjson", ".parquet"}
 
 # Report at most this many duplicate ids one by one in check_input().
 _MAX_DUPLICATES_LISTED = 20
+
+#: Longest JSONL line read (bytes, newline excluded) unless the job says otherwise (input.max_line_bytes).
+DEFAULT_MAX_LINE_BYTES = 64 * 1024 * 1024
+# The rest of an over-long line is skipped in chunks of this size.
+_SKIP_CHUNK = 1 << 20
 
 
 class InputError(ValueError):
@@ -379,6 +392,10 @@ def _build_row(source: str, values: Mapping[str, Any], cols: _Columns) -> _Row:
             return not_utf8(row_id, key, v)
     try:
         messages = _value(values, cols.messages)
+        if messages is not None and _value(values, cols.prompt) is not None:
+            raise _BadRow("prompt and messages",
+                          f"row has both {cols.prompt!r} and {cols.messages!r}; give one of them (the other null "
+                          "or absent)")
         if messages is not None:
             return _Row(Request(source, row_id, None, _parse_messages(messages)))
         return _Row(Request(source, row_id, _parse_prompt(_value(values, cols.prompt)), None))
@@ -414,22 +431,43 @@ def _jsonl_row(source: str, raw: bytes, first_line: bool, cols: _Columns) -> _Ro
     return _build_row(source, obj, cols)
 
 
-def _iter_jsonl(path: Path, cols: _Columns) -> Iterator[_Row]:
-    """Yield one row per non-blank line; the row index is the 0-based line number."""
+def _jsonl_lines(path: Path, handle, max_line_bytes: int) -> Iterator[tuple[int, bytes | int]]:
+    """``(line number, line)`` for each line, or ``(line number, its length in bytes)`` for a line
+    longer than ``max_line_bytes``, which is skipped without being held whole."""
+    lineno = 0
+    while True:
+        try:
+            raw = handle.readline(max_line_bytes + 1)
+            if not raw:
+                return
+            if len(raw) <= max_line_bytes or raw.endswith(b"\n"):
+                yield lineno, raw
+            else:
+                size = len(raw)
+                while not raw.endswith(b"\n"):
+                    raw = handle.readline(_SKIP_CHUNK)
+                    if not raw:
+                        break
+                    size += len(raw)
+                yield lineno, size - raw.endswith(b"\n")
+        except OSError as exc:
+            raise InputError(f"{path}: read error: {exc.strerror or exc}") from exc
+        lineno += 1
+
+
+def _iter_jsonl(path: Path, cols: _Columns, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[_Row]:
+    """Yield one row per non-blank line; the row index is the 0-based line number (blank lines
+    are skipped, but counted). A line over ``max_line_bytes`` becomes an error row."""
     try:
         handle = open(path, "rb")
     except OSError as exc:
         raise InputError(f"{path}: cannot open: {exc.strerror or exc}") from exc
     with handle:
-        lines = enumerate(handle)
-        while True:
-            try:
-                lineno, raw = next(lines)
-            except StopIteration:
-                return
-            except OSError as exc:
-                raise InputError(f"{path}: read error: {exc.strerror or exc}") from exc
-            if raw.strip():
+        for lineno, raw in _jsonl_lines(path, handle, max_line_bytes):
+            if isinstance(raw, int):
+                yield _bad_row(f"{path}#{lineno}", "line too long",
+                               f"line is {raw} bytes, more than input.max_line_bytes ({max_line_bytes}); not read")
+            elif raw.strip():
                 yield _jsonl_row(f"{path}#{lineno}", raw, lineno == 0, cols)
 
 
@@ -496,21 +534,23 @@ def _iter_parquet(path: Path, cols: _Columns, batch_rows: int) -> Iterator[_Row]
             row_index += 1
 
 
-def _iter_shard(path: Path, cols: _Columns, batch_rows: int) -> Iterator[_Row]:
+def _iter_shard(path: Path, cols: _Columns, batch_rows: int,
+                max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[_Row]:
     """Yield the rows of one shard of either format."""
     path = Path(path).resolve()
     if _file_format(path) == "parquet":
         return _iter_parquet(path, cols, batch_rows)
-    return _iter_jsonl(path, cols)
+    return _iter_jsonl(path, cols, max_line_bytes)
 
 
 def _iter_worker_rows(
-    files: Iterable[Path], cols: _Columns, batch_rows: int, shard_index: int, row_modulo: int | None
+    files: Iterable[Path], cols: _Columns, batch_rows: int, shard_index: int, row_modulo: int | None,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> Iterator[_Row]:
     """Yield the rows that belong to this worker, in file order."""
     global_row = 0
     for path in files:
-        for row in _iter_shard(path, cols, batch_rows):
+        for row in _iter_shard(path, cols, batch_rows, max_line_bytes):
             if row_modulo is None or global_row % row_modulo == shard_index:
                 yield row
             global_row += 1
@@ -570,6 +610,7 @@ def iter_requests(
     limit: int | None = None,
     batch_rows: int = 1024,
     on_skip: Callable[[Request], None] | None = None,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> Iterator[Request]:
     """Stream this worker's requests from the shards.
 
@@ -578,8 +619,9 @@ def iter_requests(
 
     Args:
         shards: shard paths, normally from :func:`list_shards`.
-        id_column, prompt_column, messages_column: input field names. When a
-            row has non-null messages they are used and the prompt is ignored.
+        id_column, prompt_column, messages_column: input field names. A row
+            needs a non-null prompt or non-null messages; one with both is an
+            error row. Blank JSONL lines give no row.
         shard_index, num_shards: this worker's part of the input (see :func:`assign`).
         done_sources: sources already written by an earlier run; these rows are
             skipped. Their ids (when the row is valid) still count as seen, so
@@ -590,6 +632,7 @@ def iter_requests(
             counting rows skipped by ``done_sources``.
         batch_rows: Parquet record batch size.
         on_skip: called with each row skipped because its source is in ``done_sources``.
+        max_line_bytes: a longer JSONL line is an error row, never read whole.
 
     Raises:
         InputError: a file cannot be read, or a Parquet file lacks required
@@ -597,13 +640,14 @@ def iter_requests(
     """
     _check_positive("limit", limit, allow_none=True, minimum=0)
     _check_positive("batch_rows", batch_rows, allow_none=False, minimum=1)
+    _check_positive("max_line_bytes", max_line_bytes, allow_none=False, minimum=1)
     files, row_modulo = assign(list(shards), shard_index, num_shards)
     cols = _Columns(id_column, prompt_column, messages_column)
     seen = seen_ids if seen_ids is not None else set()
     if limit == 0:
         return
     considered = 0
-    for row in _iter_worker_rows(files, cols, batch_rows, shard_index, row_modulo):
+    for row in _iter_worker_rows(files, cols, batch_rows, shard_index, row_modulo, max_line_bytes):
         considered += 1
         request = row.request
         if request.source in done_sources:
@@ -670,14 +714,56 @@ class _InputReport:
         return problems
 
 
+def _jsonl_fields(path: Path, rows: int, max_line_bytes: int) -> tuple[set[str], int]:
+    """The field names of the JSON objects among a JSONL shard's first ``rows`` non-blank lines,
+    and how many objects there were (lines that are no JSON object are passed over)."""
+    names: set[str] = set()
+    seen = 0
+    try:
+        handle = open(path, "rb")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot open: {exc.strerror or exc}") from exc
+    with handle:
+        for lineno, raw in _jsonl_lines(path, handle, max_line_bytes):
+            if isinstance(raw, int) or not raw.strip():
+                continue
+            rows -= 1
+            try:
+                obj = json.loads(raw.decode("utf-8").lstrip("\ufeff"))
+            except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                obj = None
+            if isinstance(obj, dict):
+                names.update(obj)
+                seen += 1
+            if rows <= 0:
+                break
+    return names, seen
+
+
 def check_columns(shards: list[Path], *, id_column: str = "id", prompt_column: str = "prompt",
-                  messages_column: str = "messages") -> None:
-    """Check every Parquet shard's columns from its metadata (no rows read), so a run fails before it
-    starts rather than at the file; JSONL has no schema to check. Raises InputError."""
+                  messages_column: str = "messages", jsonl_rows: int = 100,
+                  max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
+    """Check the columns before a run starts rather than at the file: every Parquet shard's from its
+    metadata (no rows read), and for JSONL, which has no schema, the fields of the first
+    ``jsonl_rows`` rows of the first JSONL shard (a configured column that none of them has, say a
+    typo in input.prompt_column, would make every row an error row). Raises InputError."""
     cols = _Columns(id_column, prompt_column, messages_column)
+    first_jsonl = True
     for path in shards:
-        if _file_format(Path(path)) == "parquet":
-            _open_parquet(Path(path).resolve(), cols)
+        path = Path(path).resolve()
+        if _file_format(path) == "parquet":
+            _open_parquet(path, cols)
+        elif first_jsonl and jsonl_rows > 0:
+            first_jsonl = False
+            names, objects = _jsonl_fields(path, jsonl_rows, max_line_bytes)
+            problems = column_problems(sorted(names), id_column=id_column, prompt_column=prompt_column,
+                                       messages_column=messages_column)
+            if objects and problems:
+                shown = sorted(names)
+                listed = ", ".join(shown[:20]) + (f", ... ({len(shown)} in all)" if len(shown) > 20 else "")
+                raise InputError(f"{path}: {problems[0]}: none of its first {objects} rows has it "
+                                 f"(fields: {listed or 'none'}); check input.id_column, input.prompt_column "
+                                 "and input.messages_column")
 
 
 def check_input(
@@ -688,6 +774,7 @@ def check_input(
     messages_column: str = "messages",
     max_rows_scanned: int | None = None,
     batch_rows: int = 1024,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> list[str]:
     """Scan the whole input (all workers' rows) and describe its problems.
 
@@ -709,7 +796,7 @@ def check_input(
         if max_rows_scanned is not None and scanned >= max_rows_scanned:
             break
         try:
-            for row in _iter_shard(path, cols, batch_rows):
+            for row in _iter_shard(path, cols, batch_rows, max_line_bytes):
                 report.add_row(row)
                 scanned += 1
                 if max_rows_scanned is not None and scanned >= max_rows_scanned:
