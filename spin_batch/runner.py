@@ -33,7 +33,7 @@ from .drafters.vote import VoteDrafter
 from .engine.loop import BatchLoop, LoopSettings
 from .engine.policy import make_policy
 from .engine.sampling import SamplingParams
-from .io.reader import (Request, assign, check_columns, check_input, iter_requests, list_shards,
+from .io.reader import (InputError, Request, assign, check_columns, check_input, iter_requests, list_shards,
                         shard_defaults_from_env)
 from .io.writer import OutputWriter, StatsWriter, cleanup_temp, make_run_id, read_done, write_json_atomic
 from .models import cpu_plan, loader
@@ -102,7 +102,13 @@ def validate_job(job: JobConfig, check_models_too: bool = True) -> list[str]:
     except ValueError as e:
         return [str(e)]
     problems = check_input(shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
-                           messages_column=job.input.messages_column)
+                           messages_column=job.input.messages_column, max_line_bytes=job.input.max_line_bytes)
+    try:  # a column that none of the first rows of the first JSONL shard has (check_input counts bad rows)
+        check_columns([p for p in shards if p.suffix != ".parquet"], id_column=job.input.id_column,
+                      prompt_column=job.input.prompt_column, messages_column=job.input.messages_column,
+                      max_line_bytes=job.input.max_line_bytes)
+    except InputError as e:
+        problems.append(str(e))
     problems += check_output(job)
     if check_models_too:
         problems += check_models(job)
@@ -139,6 +145,19 @@ def make_encoder(tokenizer, job: JobConfig) -> Callable[[Request], list[int]]:
     if icfg.chat_template is True and not has_template:
         raise ValueError("input.chat_template is true but the target tokenizer has no chat template")
     template_prompts = icfg.chat_template is True or (icfg.chat_template == "auto" and has_template)
+    # A token covers at most as many characters as its vocabulary string has (a byte-level token's
+    # string has one character per byte, an added token's is its text), so a text longer than
+    # (max_model_len - 1) x the longest cannot fit. It is turned away before tokenizing, whose time
+    # and memory grow with the text (a 20 MB prompt took 40 s and 4 GB to be told it was too long).
+    longest = max(max((len(t) for t in tokenizer.get_vocab()), default=1), 1)
+    max_chars = (job.batch.max_model_len - 1) * longest
+
+    def tokenize(text: str, **kwargs) -> list[int]:
+        if len(text) > max_chars:
+            raise ValueError(f"prompt has {len(text)} characters, more than max_model_len {job.batch.max_model_len} "
+                             f"can hold ({job.batch.max_model_len - 1} tokens of at most {longest} characters, the "
+                             "longest in this tokenizer's vocabulary); not tokenized")
+        return tokenizer.encode(text, **kwargs)
 
     def render(messages: list[dict]) -> list[int]:
         if not has_template:
@@ -149,7 +168,7 @@ def make_encoder(tokenizer, job: JobConfig) -> Callable[[Request], list[int]]:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # a template may raise anything (jinja errors, role checks)
             raise ValueError(f"chat template failed: {e}") from e
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenize(text, add_special_tokens=False)
 
     def encode(req: Request) -> list[int]:
         if req.messages is not None:
@@ -157,7 +176,7 @@ def make_encoder(tokenizer, job: JobConfig) -> Callable[[Request], list[int]]:
         elif template_prompts:
             ids = render([{"role": "user", "content": req.prompt}])
         else:
-            ids = tokenizer.encode(req.prompt)
+            ids = tokenize(req.prompt)
         if not ids:
             raise ValueError("prompt is empty after tokenization")
         return ids
@@ -305,7 +324,7 @@ def run_job(
     shards = list_shards(job.input.paths, job.input.format)
     mine, _ = assign(shards, shard_index, num_shards)
     check_columns(mine, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
-                  messages_column=job.input.messages_column)
+                  messages_column=job.input.messages_column, max_line_bytes=job.input.max_line_bytes)
     problems = check_output(job)
     if problems:
         raise ValueError(problems[0])
@@ -338,7 +357,7 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
     requests = iter_requests(
         shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
         messages_column=job.input.messages_column, shard_index=shard_index, num_shards=num_shards,
-        done_sources=done_sources, limit=limit, on_skip=count_skip,
+        done_sources=done_sources, limit=limit, on_skip=count_skip, max_line_bytes=job.input.max_line_bytes,
     )
     writer = OutputWriter(out, worker=worker, run_id=run_id, rows_per_part=job.output.rows_per_part,
                           flush_interval_s=job.output.flush_interval_s)
