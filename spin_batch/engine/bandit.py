@@ -42,6 +42,8 @@ Back-off (StepGate): the cost model prices what it models, not all a speculating
 whatever the fitted lines miss). So the batch also keeps score of the outcome: per batch size,
 the goodput measured over steps that ran the bandit's choices and over steps that drafted
 nothing, and a step speculates only while speculating steps measure ahead.
+
+The design is explained in docs/selection.md; the measurements behind it are in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -190,8 +192,7 @@ class CostModel:
     The verify line is fitted on decode steps (no prefill chunk in the forward) once it has a few:
     a long prefill chunk costs less per token than the last few tokens of a decode step, and its
     leverage would pull c1 down to the prefill rate, so speculation would look cheaper than it is
-    at large batch (on the 2-core CPU at 16 slots: c1 1.0 ms fitted on all steps, 1.9 ms on decode
-    steps). Until then, every step counts.
+    at large batch (measured: BENCHMARKS.md, "selection policy A/Bs"). Until then, every step counts.
     """
 
     def __init__(self, decay: float = 0.98):

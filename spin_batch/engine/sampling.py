@@ -1,7 +1,8 @@
 """Turning logits into distributions, and seeding each request's random stream.
 
 The same transform (temperature, then top-k, then top-p) is applied to the target's and the
-drafters' logits, so speculative sampling preserves the distribution the user asked for.
+drafters' logits, so speculative sampling preserves the distribution the user asked for. What is exact
+and where: docs/numerics.md; timings: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
     """One draw from a [V] distribution (non-negative, not necessarily normalised): the CDF, summed in
     float64, inverted at one uniform.
 
-    torch.multinomial took 1.4 ms per call on a 49k vocabulary on a 2-core CPU, which made sampled
-    decoding at 32 slots 1.6x slower than greedy; this takes under 0.1 ms. Exact: the token is the
-    first i with cdf[i] > u * cdf[-1], so a token of probability 0 (cdf[i] == cdf[i - 1]) is never drawn.
+    torch.multinomial cost far more per call on a large vocabulary and made sampled decoding much
+    slower than greedy (the timings are in BENCHMARKS.md, "sampling by CDF inversion"). Exact: the
+    token is the first i with cdf[i] > u * cdf[-1], so a token of probability 0 (cdf[i] == cdf[i - 1])
+    is never drawn.
     """
     cdf = probs.double().cumsum(0)
     u = torch.rand((), generator=gen, dtype=torch.float64).to(cdf.device)
