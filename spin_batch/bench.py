@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from .config import JobConfig
 from .engine.policy import make_policy
 from .io.reader import Request, iter_requests, list_shards
-from .runner import Engine, build_engine, make_encoder
+from .runner import Engine, backends, build_engine, make_encoder
 from .stats import RunStats
 
 
@@ -294,6 +294,7 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
         sjob = replace(job, batch=replace(job.batch, slots=slots,
                                           max_num_batched_tokens=max(job.batch.max_num_batched_tokens, slots)))
         engine = build_engine(sjob)
+        engine_backends = backends(engine)
         job_pipeline = engine.loop.cfg.pipeline
         data = load_bench_input(sjob, engine, limit, prompts)
         if "hf_generate" in methods and hf is None:
@@ -326,6 +327,7 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
                     this_repeat.append(lcs[m].run(data, slots, r))
                 else:
                     this_repeat.append(loop_run(m, r))
+                    this_repeat[-1].summary["backends"] = engine_backends
                 bar.update(1)
             if "oracle" in methods:
                 bound = oracle(this_repeat, slots, r)
@@ -451,6 +453,17 @@ def _mean_acceptance(summary: dict) -> float | None:
     return (acc + spec) / spec if spec else None
 
 
+def backend_use(runs: list[MethodRun]) -> list[str]:
+    """One line per slot count and model: the path it ran on (the same for every method at a slot count)."""
+    out: dict[str, None] = {}
+    for r in runs:
+        for name, b in (r.summary.get("backends") or {}).items():
+            build = b.get("c_build")
+            where = f", C build -march={build['march']} ({build['isa']})" if build else ""
+            out[f"{r.slots} slots, {name}: layers {b['layers']}, LM head {b['lm_head']}{where}: {b['why']}"] = None
+    return list(out)
+
+
 def graph_use(runs: list[MethodRun]) -> list[str]:
     """Per method and slots, over all repeats: the target's short forwards replayed from CUDA graphs."""
     total: dict[tuple[str, int], list[int]] = {}
@@ -532,6 +545,10 @@ def write_results(runs: list[MethodRun], out: Path) -> dict[str, Path]:
     reg = regret(runs)
     if reg:
         parts.append("Regret:\n" + "\n".join(f"- {x}" for x in reg))
+    used = backend_use(runs)
+    if used:
+        parts.append("Backends (which path each model ran on, and why; see `spin-batch env`):\n"
+                     + "\n".join(f"- {x}" for x in used))
     graphs = graph_use(runs)
     if graphs:
         parts.append("CUDA graphs (the target's decode and verify forwards):\n" + "\n".join(f"- {x}" for x in graphs))

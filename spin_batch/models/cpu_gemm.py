@@ -1,32 +1,35 @@
 """The decode loop's CPU kernels (cpu_gemm.c), compiled once per kind of machine.
 
 What it holds, and why:
-- Panel GEMMs, float32 and (on AVX512-BF16 CPUs) bfloat16. At the loop's batch sizes oneDNN's
-  prepacked GEMM streams the weights at 16-20 GB/s and costs 17 us a call before it reads any,
-  where the memory allows 26-34 GB/s. On a 2-core AVX-512 CPU the float32 model's linears took
-  18 ms with this kernel against 30 ms with oneDNN at one row, 32 against 36 ms at 16 rows, and
-  about the same (1.02-1.07x) at 80-256 rows; the bfloat16 one is 1.3-2.2x oneDNN at 1-16 rows.
-- The RMS norm of the float32 residual stream: one call of 3-11 us where torch's takes 14-27 us.
-- Attention over the per-slot KV cache, with the KV write: 26 us a layer at one slot where
-  scaled_dot_product_attention took 88-121 us.
+- Panel GEMMs in float32 and bfloat16 at the loop's batch sizes (1 to a few dozen rows), where oneDNN's
+  prepacked GEMM streams the weights well below memory speed and costs tens of microseconds a call
+  before it reads any. The micro-kernel is written for the build's register width: 12 rows x 32
+  outputs with AVX-512, the 6 x 16 block with AVX2 (and NEON). The bfloat16 GEMM uses AVX512-BF16's dot
+  products where the CPU has them, else widens the weights to float32 exactly.
+- The RMS norm of the float32 residual stream, in one call.
+- Attention over the per-slot KV cache, with the KV write.
 - spin_decoder: all decoder layers of a forward in one call, so no Python runs between them.
 Every result of a row is computed alone, in a fixed order (see the C file): a row's output does not
 depend on the batch, the segment or the prefill chunk it arrives in, which oneDNN and SDPA do not
 promise. That makes speculative greedy output exact in bfloat16 as well as float32.
 
-The library is built with the system C compiler ($CC, else cc) with -O3 -march=native -fopenmp
-into $SPIN_BATCH_CACHE/cpu_gemm/, keyed by the source, the flags and the CPU's feature flags (a
-cache shared over NFS by different nodes keeps one build per kind). It links against the OpenMP
-runtime torch has already loaded, so torch.set_num_threads applies to it.
+Whether a model runs on these kernels or on oneDNN and torch is decided per model by measurement
+(cpu_plan.py): a build that is slow on some CPU is never the default there. Timings are in
+BENCHMARKS.md and docs/kernels.md.
 
-SPIN_BATCH_CPU_GEMM=auto|on|off (default auto: use it when it builds, else warn once and fall back
-to oneDNN and torch; on: fail if it cannot be built; off: never).
+The library is built with the system C compiler ($CC, else cc) with -O3 -march=$SPIN_BATCH_CPU_ARCH
+(default native) -fopenmp into $SPIN_BATCH_CACHE/cpu_gemm/, keyed by the source, the flags and the CPU's
+feature flags (a cache shared over NFS by different nodes keeps one build per kind). It links against
+the OpenMP runtime torch has already loaded, so torch.set_num_threads applies to it.
+
+SPIN_BATCH_CPU_GEMM=auto|on|off (default auto: use it where the measurement says so, and when it cannot
+be built, warn once and fall back to oneDNN and torch; on: always, and fail if it cannot be built; off:
+never).
 
 A job that never compares one forward with another (no speculation: `spin-batch distill`'s teacher
 data) can trade that exactness for speed: models built inside `throughput_gemm()` hand bfloat16
-weights to oneDNN where the CPU has AMX, whose tile kernels outrun the panel GEMM's AVX512-BF16 dot
-products at every batch size measured (SmolLM2-135M in bfloat16 on a 2-core AMX CPU: a 32-row
-decode forward 34 against 63 ms, a 1024-token prefill 0.40 against 1.80 s).
+weights to oneDNN where the CPU has AMX and oneDNN may use it, since its tile kernels outrun the panel
+GEMM at every batch size measured.
 """
 
 from __future__ import annotations
