@@ -68,10 +68,14 @@ def build_tokenizer(out: Path):
 
 def build_tiny_model(
     out: Path, *, model_type: str = "llama", layers: int = 3, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-    seed: int = 0, init_std: float = 0.08, tokenizer_dir: Path | None = None,
+    seed: int = 0, init_std: float = 0.08, tokenizer_dir: Path | None = None, config: dict | None = None,
 ) -> Path:
-    """A random Llama/Qwen2 model saved with save_pretrained (safetensors) plus tokenizer files."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A random Llama/Mistral/Qwen2 model saved with save_pretrained (safetensors) plus tokenizer files.
+
+    config: more config.json fields (attention_bias, head_dim, rope_scaling, sliding_window, tie_word_embeddings...).
+    Every attention bias the model has is random, so the bias paths are exercised."""
+    from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM)
 
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer_dir is None:
@@ -84,16 +88,20 @@ def build_tiny_model(
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
         rms_norm_eps=1e-5, initializer_range=init_std, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
+        rope_theta=10000.0,
     )
+    common.update(config or {})
     torch.manual_seed(seed)
-    if model_type == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=10000.0))
-        with torch.no_grad():  # random biases, so the q/k/v bias path is exercised
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
+               "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    config_class, model_class = classes[model_type]
+    model = model_class(config_class(**common))
+    with torch.no_grad():  # random biases (zeros at init), so the bias paths are exercised
+        for layer in model.model.layers:
+            a = layer.self_attn
+            for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
+                if proj.bias is not None:
                     proj.bias.normal_(0, 0.1)
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
     model.save_pretrained(str(out), safe_serialization=True)
     return out
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spin_batch.models import cpu_plan
 from spin_batch.models.loader import load_model, read_spec
 from spin_batch.models.llama import ModelSpec, UnsupportedModelError
 from spin_batch.models.segments import Segments
+
+from conftest import build_tiny_model
 
 ATOL = 2e-4
 
@@ -151,3 +154,114 @@ def test_short_segments_group_by_cost():
     assert len(AttentionPlan(Segments.build(alternating), 3, torch.float32, torch.device("cpu")).groups) == 1
     one_long = [(s, 1, 10) for s in range(15)] + [(15, 5, 10)]  # 80 rows padded vs 15 + 5 + a call
     assert len(AttentionPlan(Segments.build(one_long), 3, torch.float32, torch.device("cpu")).groups) == 2
+
+
+# -- each architecture feature we accept, against transformers on a tiny random model -------------
+
+# build_tiny_model arguments per feature; the spec facts each must show (so the feature is really there)
+ARCHITECTURES = {
+    "qwen2_qkv_bias": (dict(model_type="qwen2", kv_heads=1), dict(qkv_bias=True, o_bias=False)),
+    "llama_attention_bias": (dict(config={"attention_bias": True}), dict(qkv_bias=True, o_bias=True)),
+    "tied_embeddings": (dict(config={"tie_word_embeddings": True}), dict(tie_word_embeddings=True)),
+    "untied_embeddings": (dict(), dict(tie_word_embeddings=False)),
+    "rope_linear": (dict(config={"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+                    dict(rope_scaling={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
+    "rope_llama3": (dict(config={"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+                    dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "rope_theta": 10000.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "head_dim_32_not_64_over_4": (dict(config={"head_dim": 32}), dict(head_dim=32, hidden_size=64, num_heads=4)),
+    "mistral_sliding_window": (dict(model_type="mistral", config={"sliding_window": 64}), dict(sliding_window=64)),
+}
+ARCH_PROMPTS = ["the quick brown fox", "once upon a time there was", "compute 12 * 7 =", "red green blue red green"]
+ARCH_TOKENS = 24  # prompt + 24 tokens stays inside the Mistral model's 64-token window
+
+
+@pytest.fixture(scope="module")
+def arch_dir(request, tmp_path_factory, tiny_dir):
+    build_kwargs, facts = ARCHITECTURES[request.param]
+    path = build_tiny_model(tmp_path_factory.mktemp(request.param), layers=2, seed=11, tokenizer_dir=tiny_dir,
+                            **build_kwargs)
+    spec = read_spec(path)
+    assert {k: getattr(spec, k) for k in facts} == facts
+    return path
+
+
+def _loop_greedy(model, tok, prompts: list[str], slots: int, max_tokens: int) -> tuple[list[list[int]], list[str]]:
+    """Our batch loop, greedy with EOS ignored: the generated ids and text of each prompt."""
+    from spin_batch.engine.loop import BatchLoop, LoopSettings
+    from spin_batch.engine.policy import NoSpeculation
+    from spin_batch.engine.sampling import SamplingParams
+    from spin_batch.io.reader import Request
+
+    settings = LoopSettings(slots=slots, max_model_len=64, max_num_batched_tokens=32, max_tokens=max_tokens,
+                            sampling=SamplingParams(), ignore_eos=True)
+    loop = BatchLoop(model, tok, settings, NoSpeculation(), {}, model.allocate_cache(slots, settings.max_model_len))
+    ids_of, rows = {}, []
+    loop.on_finish = lambda s: ids_of.__setitem__(s.req.id, list(s.generated))
+    reqs = [Request(source=f"mem#{i}", id=str(i), prompt=p, messages=None) for i, p in enumerate(prompts)]
+    loop.run(iter(reqs), lambda r: tok.encode(r.prompt), rows.append)
+    assert [r["status"] for r in rows] == ["ok"] * len(prompts), rows
+    text_of = {r["id"]: r["text"] for r in rows}
+    return [ids_of[str(i)] for i in range(len(prompts))], [text_of[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("arch_dir", list(ARCHITECTURES), indirect=True)
+def test_architecture_logits_match_transformers(arch_dir):
+    """Prefill logits over 48 positions (past llama3's 32-token original context), on each CPU path."""
+    ref = hf_model(arch_dir)
+    ids = torch.randint(0, 300, (48,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = hf_logits(ref, ids)
+    for path in ("c", "torch"):
+        ours = load_model(arch_dir, plan=cpu_plan.forced(path))
+        got = ours.forward(torch.tensor(ids), Segments.build([(0, len(ids), 0)]), ours.allocate_cache(1, 64))
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m: f"{path} path: {m}")
+
+
+@pytest.mark.parametrize("arch_dir", list(ARCHITECTURES), indirect=True)
+def test_architecture_greedy_text_matches_transformers_generate(arch_dir):
+    """Our loop's greedy ids and text (3 slots, chunked prefill) equal transformers' generate, on each CPU path."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(arch_dir))
+    ref = hf_model(arch_dir)
+    want_ids = []
+    for p in ARCH_PROMPTS:
+        ids = torch.tensor([tok.encode(p)])
+        out = ref.generate(ids, max_new_tokens=ARCH_TOKENS, min_new_tokens=ARCH_TOKENS, do_sample=False,
+                           pad_token_id=tok.pad_token_id)
+        want_ids.append(out[0, ids.shape[1]:].tolist())
+    want_text = [tok.decode(ids, skip_special_tokens=True) for ids in want_ids]
+    for path in ("c", "torch"):
+        ours = load_model(arch_dir, plan=cpu_plan.forced(path))
+        got_ids, got_text = _loop_greedy(ours, tok, ARCH_PROMPTS, slots=3, max_tokens=ARCH_TOKENS)
+        assert got_ids == want_ids, path
+        assert got_text == want_text, path
+
+
+def test_o_proj_bias_runs_off_the_c_decoder(tmp_path, tiny_dir):
+    """The C decoder has no o bias: a Llama with attention_bias runs per layer (and is right there, above)."""
+    path = build_tiny_model(tmp_path / "m", layers=1, tokenizer_dir=tiny_dir, config={"attention_bias": True})
+    ours = load_model(path, plan=cpu_plan.forced("c"))
+    assert ours.c_decoder is None and ours.layers[0].o.bias is not None
+    assert ours.layers[0].o.panel is not None  # still the C linears
+
+
+def test_mistral_beyond_its_sliding_window_is_refused(tmp_path, tiny_dir):
+    path = build_tiny_model(tmp_path / "m", model_type="mistral", layers=1, tokenizer_dir=tiny_dir,
+                            config={"sliding_window": 64})
+    ours = load_model(path)
+    ours.allocate_cache(1, 64)
+    with pytest.raises(UnsupportedModelError, match="sliding window 64"):
+        ours.allocate_cache(1, 65)
+
+
+def test_attention_bias_is_llamas_only():
+    """transformers reads attention_bias for Llama; a Mistral config carrying it has no biases (nor do we)."""
+    cfg = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "attention_bias": True}
+    assert ModelSpec.from_hf_config({**cfg, "model_type": "llama"}).o_bias
+    mistral = ModelSpec.from_hf_config({**cfg, "model_type": "mistral"})
+    assert not mistral.qkv_bias and not mistral.o_bias
+    qwen2 = ModelSpec.from_hf_config({**cfg, "model_type": "qwen2"})
+    assert qwen2.qkv_bias and not qwen2.o_bias

@@ -47,6 +47,7 @@ class ModelSpec:
     qkv_bias: bool
     max_position_embeddings: int
     sliding_window: int | None
+    o_bias: bool = False  # o_proj has a bias (Llama's attention_bias; Qwen2 biases q/k/v only)
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelSpec":
@@ -67,6 +68,8 @@ class ModelSpec:
         if scaling is not None and rope_type not in ("linear", "llama3"):
             raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        # transformers reads attention_bias for Llama only (q, k, v and o); Mistral and Qwen2 ignore it
+        attention_bias = model_type == "llama" and bool(cfg.get("attention_bias", False))
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -80,9 +83,10 @@ class ModelSpec:
             rope_theta=float(theta),
             rope_scaling=scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             sliding_window=window,
+            o_bias=attention_bias,
         )
 
 
@@ -445,12 +449,13 @@ class LlamaModel:
             bqkv = None
             if spec.qkv_bias:
                 bqkv = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
+            bo = get(p + "self_attn.o_proj.bias") if spec.o_bias else None  # the C decoder refuses it: per-layer path
             w_gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], dim=0)
             layers.append(
                 LayerWeights(
                     attn_norm=get(p + "input_layernorm.weight"),
                     qkv=Linear(wqkv, bqkv, panel),
-                    o=Linear(get(p + "self_attn.o_proj.weight"), panel=panel),
+                    o=Linear(get(p + "self_attn.o_proj.weight"), bo, panel),
                     mlp_norm=get(p + "post_attention_layernorm.weight"),
                     gate_up=Linear(w_gate_up, panel=panel),
                     down=Linear(get(p + "mlp.down_proj.weight"), panel=panel),
