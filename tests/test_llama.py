@@ -265,3 +265,38 @@ def test_attention_bias_is_llamas_only():
     assert not mistral.qkv_bias and not mistral.o_bias
     qwen2 = ModelSpec.from_hf_config({**cfg, "model_type": "qwen2"})
     assert qwen2.qkv_bias and not qwen2.o_bias
+
+
+@pytest.mark.xfail(strict=True, reason="issue 30 part 2 (every checkpoint tensor consumed, checked at load and "
+                   "validate) is not in yet: the checkpoint loads silently and validate says OK; drop this mark with it")
+def test_unknown_extra_tensor_is_rejected_at_validate_and_at_load(tmp_path, tiny_dir):
+    """A checkpoint with a tensor our runtime would not use (here a q_norm, as Qwen3 has, in a folder that
+    says llama) would give wrong text: `validate` (headers only) and loading both refuse it, naming it."""
+    import json
+
+    import yaml
+    from click.testing import CliRunner
+    from safetensors.torch import load_file, save_file
+
+    from spin_batch.cli import main
+
+    path = build_tiny_model(tmp_path / "m", layers=1, tokenizer_dir=tiny_dir)
+    weights = path / "model.safetensors"
+    sd = load_file(str(weights))
+    extra = "model.layers.0.self_attn.q_norm.weight"
+    sd[extra] = torch.ones(read_spec(path).head_dim)
+    save_file(sd, str(weights), metadata={"format": "pt"})
+
+    with pytest.raises(Exception, match=extra.replace(".", r"\.")):
+        load_model(path)
+
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "the quick brown fox"}) + "\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": "extra", "input": {"paths": [str(prompts)]}, "output": {"dir": str(tmp_path / "out")},
+        "target": {"model": str(path), "dtype": "float32", "device": "cpu"},
+        "batch": {"slots": 1, "max_model_len": 64}, "sampling": {"temperature": 0.0, "max_tokens": 4},
+    }))
+    result = CliRunner().invoke(main, ["validate", str(job)])
+    assert result.exit_code != 0 and extra in result.output, result.output
