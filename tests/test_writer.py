@@ -194,6 +194,68 @@ def test_read_done(tmp_path: Path) -> None:
     assert ids == {"r0", "r2"}
 
 
+def test_read_done_moves_unreadable_parts_aside(tmp_path: Path) -> None:
+    with OutputWriter(tmp_path, rows_per_part=1, run_id="r1") as out:
+        for i in range(4):
+            out.add(ok_row(i))
+    parts = part_files(tmp_path)
+    parts[0].write_bytes(b"")  # emptied
+    parts[1].write_bytes(parts[1].read_bytes()[:-20])  # lost its end
+    said: list[str] = []
+    sources, ids = read_done(tmp_path, warn=said.append)
+    assert sources == {"/in/a.jsonl#2", "/in/a.jsonl#3"} and ids == {"r2", "r3"}
+    assert [p.name for p in part_files(tmp_path)] == [parts[2].name, parts[3].name]
+    aside = sorted((tmp_path / "outputs").glob("*.corrupt-*"))
+    assert [p.name.split(".corrupt-")[0] for p in aside] == [parts[0].name, parts[1].name]
+    assert aside[1].stat().st_size > 0  # kept as it was
+    assert len(said) == 2 and all("moved aside to part-w0000-r1-0000" in m and "rows will be redone" in m
+                                  for m in said), said
+    assert read_outputs(tmp_path)["id"].to_list() == ["r2", "r3"]
+
+
+def test_readers_leave_out_unreadable_parts_and_say_so(tmp_path: Path) -> None:
+    with OutputWriter(tmp_path, rows_per_part=1) as out:
+        out.add(ok_row(0))
+        out.add(ok_row(1))
+    part_files(tmp_path)[0].write_bytes(b"garbage")
+    with StatsWriter(tmp_path) as stats:
+        stats.add({"x": 1.0})
+    (tmp_path / "stats" / "stats-w0000-zz-00000.parquet").write_bytes(b"")
+    said: list[str] = []
+    assert read_outputs(tmp_path, warn=said.append)["id"].to_list() == ["r1"]
+    assert read_stats(tmp_path, warn=said.append)["x"].to_list() == [1.0]
+    assert len(said) == 2 and all("cannot be read" in m and "left out" in m for m in said), said
+    assert len(part_files(tmp_path)) == 2  # readers move nothing
+
+
+def test_latest_row_of_a_source_counts_and_older_ones_are_dropped(tmp_path: Path) -> None:
+    """A --retry-errors run writes a new row for a source whose row was an error: the newer row
+    (by run id, whatever the worker) counts, and drop_superseded rewrites the older parts."""
+    with OutputWriter(tmp_path, worker="w0001", run_id="20250101T000000000000_aaaaaa", rows_per_part=2) as out:
+        out.add(ok_row(0))
+        out.add(error_row("/in/a.jsonl#1", "r1", "too long"))
+        out.add(error_row("/in/a.jsonl#2", "r2", "too long"))
+    assert read_done(tmp_path, retry_errors=True)[0] == {"/in/a.jsonl#0"}
+    with OutputWriter(tmp_path, worker="w0000", run_id="20250102T000000000000_bbbbbb") as out:
+        out.add(ok_row(1))
+        out.add(error_row("/in/a.jsonl#2", "r2", "still too long"))
+    assert len(pl.concat([pl.read_parquet(p) for p in part_files(tmp_path)])) == 5
+    view = read_outputs(tmp_path)
+    assert sorted(view["id"].to_list()) == ["r0", "r1", "r2"]
+    assert dict(zip(view["id"], view["status"])) == {"r0": "ok", "r1": "ok", "r2": "error"}
+    assert view.filter(pl.col("id") == "r2")["error"].to_list() == ["still too long"]
+    assert read_done(tmp_path, retry_errors=True)[0] == {"/in/a.jsonl#0", "/in/a.jsonl#1"}
+    assert read_done(tmp_path)[0] == {"/in/a.jsonl#0", "/in/a.jsonl#1", "/in/a.jsonl#2"}
+
+    assert writer.drop_superseded(tmp_path) == 2
+    names = [p.name for p in part_files(tmp_path)]  # the second part held only replaced rows: gone
+    assert names == ["part-w0000-20250102T000000000000_bbbbbb-00000.parquet",
+                     "part-w0001-20250101T000000000000_aaaaaa-00000.parquet"]
+    on_disk = pl.concat([pl.read_parquet(p) for p in part_files(tmp_path)]).sort("id")
+    assert on_disk["id"].to_list() == ["r0", "r1", "r2"] and on_disk["status"].to_list() == ["ok", "ok", "error"]
+    assert writer.drop_superseded(tmp_path) == 0
+
+
 def test_error_row_schema(tmp_path: Path) -> None:
     row = error_row("/in/a.jsonl#4", "x", "invalid JSON", prompt_tokens=3)
     assert set(row) == set(OUTPUT_SCHEMA.names)

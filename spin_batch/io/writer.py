@@ -10,6 +10,18 @@ fsynced and renamed with :func:`os.replace`, so a file with a final name is
 always complete. A killed run leaves at most some temporary files, which
 :func:`cleanup_temp` removes. ``run_id`` is unique per writer, so reruns and
 Slurm array workers never overwrite each other's parts.
+
+A part that cannot be read all the same (a disk that lost its end, a file
+truncated or emptied by hand) is moved aside by :func:`read_done` to
+``part-....parquet.corrupt-<UTC time>`` (kept, never deleted), with one line on
+stderr; its rows count as not done, so the run redoes them.
+
+Each input row (``source``) has one row in the outputs. A rerun with
+``--retry-errors`` writes a new row for a source whose row was an error; the
+latest row of a source (by run id, then part number) is the one that counts:
+:func:`read_outputs` keeps only it, and :func:`read_done` (``tidy=True``) and
+:func:`drop_superseded` rewrite the older parts without the rows a later one
+replaced, so the files themselves hold each source once again.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import operator
 import os
 import re
 import secrets
+import sys
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
@@ -39,6 +52,7 @@ __all__ = [
     "OutputWriter",
     "StatsWriter",
     "cleanup_temp",
+    "drop_superseded",
     "error_row",
     "make_run_id",
     "normalize_row",
@@ -151,6 +165,43 @@ def _read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
         return pq.read_table(path, columns=columns)
     except (OSError, pa.ArrowException) as exc:
         raise OutputError(f"{path}: cannot read output part: {exc}") from exc
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _part_order(path: Path) -> tuple[str, str, str]:
+    """Order of the parts in time: ``part-{worker}-{run_id}-{seq}`` sorts by run id (which starts
+    with its UTC start time), then part number, then worker."""
+    pieces = path.name.removesuffix(".parquet").split("-")
+    if len(pieces) == 4:
+        return pieces[2], pieces[3], pieces[1]
+    return "", path.name, ""
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _move_aside(path: Path, why: str, warn: Callable[[str], None]) -> None:
+    """Rename an unreadable part to ``<name>.corrupt-<UTC time>`` (kept for a post-mortem) and say so."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    dest = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+    try:
+        os.rename(path, dest)
+    except FileNotFoundError:
+        return  # another worker moved it first
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot be read ({why}) nor moved aside ({exc.strerror or exc}); "
+                          "move or delete it by hand, then rerun") from None
+    _fsync_dir(path.parent)
+    warn(f"spin-batch: {path} cannot be read ({why}); moved aside to {dest.name}; its rows will be redone")
 
 
 # --------------------------------------------------------------------------
@@ -360,29 +411,108 @@ class OutputWriter:
         self.close()
 
 
-def read_done(out_dir: str | Path) -> tuple[set[str], set[str]]:
+class _Scan:
+    """Every readable output part, oldest first, with its ``source``, ``id`` and ``status`` columns."""
+
+    def __init__(self, out_dir: str | Path, warn: Callable[[str], None]) -> None:
+        self.parts: list[tuple[Path, pa.Table]] = []
+        for path in sorted(_part_files(Path(out_dir) / OUTPUTS_DIR, "part"), key=_part_order):
+            try:
+                table = pq.read_table(path, columns=["source", "id", "status"])
+            except FileNotFoundError:
+                continue  # moved aside or rewritten away by another worker meanwhile
+            except (OSError, pa.ArrowException) as exc:
+                _move_aside(path, _short(exc), warn)
+                continue
+            self.parts.append((path, table))
+
+    def latest(self) -> tuple[dict[str, tuple[str | None, bool]], dict[int, list[int]]]:
+        """``{source: (id, ok)}`` of each source's latest row, and ``{part index: [row indices]}`` of
+        the rows a later row of the same source replaced."""
+        latest: dict[str, tuple[int, int, str | None, bool]] = {}
+        superseded: dict[int, list[int]] = {}
+        for k, (_, table) in enumerate(self.parts):
+            columns = (table.column(c).to_pylist() for c in ("source", "id", "status"))
+            for row, (source, row_id, status) in enumerate(zip(*columns)):
+                before = latest.get(source)
+                if before is not None:
+                    superseded.setdefault(before[0], []).append(before[1])
+                latest[source] = (k, row, row_id, status == "ok")
+        return {s: (i, ok) for s, (_, _, i, ok) in latest.items()}, superseded
+
+
+def _drop_rows(scan: _Scan, superseded: dict[int, list[int]], warn: Callable[[str], None]) -> int:
+    """Rewrite each part that holds superseded rows without them (atomically; a part left with no
+    rows is deleted). Returns how many rows were dropped."""
+    dropped = 0
+    for k, rows in superseded.items():
+        path = scan.parts[k][0]
+        try:
+            table = pq.read_table(path)
+        except FileNotFoundError:
+            continue
+        except (OSError, pa.ArrowException) as exc:
+            _move_aside(path, _short(exc), warn)
+            continue
+        drop = set(rows)
+        keep = pa.array([i not in drop for i in range(table.num_rows)])
+        kept = table.filter(keep)
+        if kept.num_rows:
+            _write_parquet_atomic(path, kept)
+        else:
+            path.unlink(missing_ok=True)
+            _fsync_dir(path.parent)
+        dropped += table.num_rows - kept.num_rows
+    return dropped
+
+
+def drop_superseded(out_dir: str | Path, *, warn: Callable[[str], None] = _warn) -> int:
+    """Rewrite the output parts so that each source keeps only its latest row (see the module
+    docstring); returns how many older rows were dropped. Safe beside running workers: only rows
+    that a complete, later part replaces are ever dropped."""
+    scan = _Scan(out_dir, warn)
+    return _drop_rows(scan, scan.latest()[1], warn)
+
+
+def read_done(out_dir: str | Path, *, retry_errors: bool = False, tidy: bool = False,
+              warn: Callable[[str], None] = _warn) -> tuple[set[str], set[str]]:
     """``(done_sources, done_ids)`` over all complete output parts.
 
-    Reads only the ``source`` and ``id`` columns; temp files are ignored.
-    ``done_ids`` holds the non-null ids (of ok and error rows alike).
+    Reads only the ``source``, ``id`` and ``status`` columns; temp files are ignored. A part that
+    cannot be read is moved aside (see the module docstring) and its rows are not done.
+    ``done_ids`` holds the non-null ids of the done rows. A source is done when it has a row, or
+    with ``retry_errors`` when its latest row is ok (so a rerun redoes the error rows). With
+    ``tidy`` the parts are first rewritten without rows a later row replaced (:func:`drop_superseded`).
     """
-    sources: set[str] = set()
-    ids: set[str] = set()
-    for path in _part_files(Path(out_dir) / OUTPUTS_DIR, "part"):
-        table = _read_table(path, ["source", "id"])
-        sources.update(table.column("source").to_pylist())
-        ids.update(i for i in table.column("id").to_pylist() if i is not None)
-    return sources, ids
+    scan = _Scan(out_dir, warn)
+    latest, superseded = scan.latest()
+    if tidy and superseded and _drop_rows(scan, superseded, warn):
+        scan = _Scan(out_dir, warn)
+        latest, _ = scan.latest()
+    done = {s: i for s, (i, ok) in latest.items() if ok or not retry_errors}
+    return set(done), {i for i in done.values() if i is not None}
 
 
-def read_outputs(out_dir: str | Path) -> polars.DataFrame:
-    """All complete output parts concatenated (an empty frame with the schema if none)."""
+def read_outputs(out_dir: str | Path, *, warn: Callable[[str], None] = _warn) -> polars.DataFrame:
+    """All complete output parts concatenated, each source's latest row only (an empty frame with
+    the schema if none). A part that cannot be read is left out, with a line through ``warn``."""
     import polars as pl
 
-    tables = [_read_table(path) for path in _part_files(Path(out_dir) / OUTPUTS_DIR, "part")]
+    tables = []
+    for path in sorted(_part_files(Path(out_dir) / OUTPUTS_DIR, "part"), key=_part_order):
+        try:
+            tables.append(pq.read_table(path).cast(OUTPUT_SCHEMA))
+        except FileNotFoundError:
+            continue
+        except (OSError, pa.ArrowException, ValueError) as exc:
+            warn(f"spin-batch: {path} cannot be read ({_short(exc)}); left out (a rerun moves it aside and "
+                 "redoes its rows)")
     if not tables:
         return pl.from_arrow(OUTPUT_SCHEMA.empty_table())
-    return pl.from_arrow(pa.concat_tables([t.cast(OUTPUT_SCHEMA) for t in tables]))
+    frame = pl.from_arrow(pa.concat_tables(tables))
+    if frame["source"].n_unique() < frame.height:  # a retried row and the row it replaced
+        frame = frame.unique(subset="source", keep="last", maintain_order=True)
+    return frame
 
 
 def cleanup_temp(out_dir: str | Path, *, worker: str | None = None) -> int:
@@ -478,11 +608,19 @@ class StatsWriter:
         self.close()
 
 
-def read_stats(out_dir: str | Path) -> polars.DataFrame:
-    """All stats parts concatenated diagonally (missing columns are null; empty frame if none)."""
+def read_stats(out_dir: str | Path, *, warn: Callable[[str], None] = _warn) -> polars.DataFrame:
+    """All stats parts concatenated diagonally (missing columns are null; empty frame if none). A part
+    that cannot be read is left out, with a line through ``warn`` (nothing reruns a stats interval)."""
     import polars as pl
 
-    frames = [pl.from_arrow(_read_table(p)) for p in _part_files(Path(out_dir) / STATS_DIR, "stats")]
+    frames = []
+    for path in _part_files(Path(out_dir) / STATS_DIR, "stats"):
+        try:
+            frames.append(pl.from_arrow(pq.read_table(path)))
+        except FileNotFoundError:
+            continue
+        except (OSError, pa.ArrowException) as exc:
+            warn(f"spin-batch: {path} cannot be read ({_short(exc)}); left out")
     if not frames:
         return pl.DataFrame()
     return pl.concat(frames, how="diagonal_relaxed")
