@@ -7,6 +7,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 STAGES = ("select", "draft", "verify", "accept", "commit", "learn")
+# Every interval record has these totals' columns, observed or not, so that all stats parts of a
+# job share one schema (a resume with nothing to do wrote 4 columns where a run wrote 28, and
+# reading stats/*.parquet as one table failed).
+TOTALS = ("steps", "forward_tokens", "prefill_tokens", "generated_tokens", "packed_cells", "padded_cells",
+          "active_slot_steps", *(f"time_{stage}_s" for stage in STAGES), "rows_ok", "rows_error", "prompt_tokens")
+DRAFTER_KEYS = ("drafted", "accepted", "spec_steps", "pulls")
 
 
 @dataclass
@@ -32,9 +38,15 @@ class RunStats:
         self.t0 = clock()
         self.totals: dict[str, float] = defaultdict(float)
         self.per_drafter: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.drafter_names: list[str] = []  # whose columns every interval record has (declare_drafters)
         self._last_interval = dict(self.totals)
         self._last_drafter: dict[str, int] = {}
         self._last_t = self.t0
+
+    def declare_drafters(self, names) -> None:
+        """Give every interval record the per-drafter columns of these names ("none" and the job's
+        drafters), pulled or not."""
+        self.drafter_names = list(dict.fromkeys([*self.drafter_names, *names]))
 
     def restart_clock(self) -> None:
         """Start timing now (throughput excludes what came before, e.g. model load)."""
@@ -72,14 +84,16 @@ class RunStats:
         now = self.clock()
         dt = now - self._last_t
         rec = {"time_s": now - self.t0, "interval_s": dt}
-        for k, v in self.totals.items():
-            rec[k] = v - self._last_interval.get(k, 0.0)
+        for k in dict.fromkeys([*TOTALS, *self.totals]):
+            rec[k] = self.totals.get(k, 0.0) - self._last_interval.get(k, 0.0)
         rec["tokens_per_s"] = rec.get("generated_tokens", 0.0) / dt if dt > 0 else 0.0
         steps = rec.get("steps", 0.0)
         rec["mean_active_slots"] = rec.get("active_slot_steps", 0.0) / steps if steps else 0.0
-        for name, d in self.per_drafter.items():
-            for key, v in d.items():
+        for name in dict.fromkeys([*self.drafter_names, *self.per_drafter]):
+            d = self.per_drafter.get(name, {})
+            for key in dict.fromkeys([*DRAFTER_KEYS, *d]):
                 col = f"{key}.{name}"
+                v = d.get(key, 0)
                 rec[col] = v - self._last_drafter.get(col, 0)
                 self._last_drafter[col] = v
         self._last_interval = dict(self.totals)
