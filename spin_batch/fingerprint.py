@@ -1,0 +1,95 @@
+"""What a job's rows depend on, kept in its output folder, so that a resume cannot quietly mix the
+rows of two different jobs (say, greedy rows with rows sampled at temperature 0.7).
+
+The first run writes ``OUT/job-fingerprint.json``: the settings that change a row's text (the
+target model and dtype, the sampling settings, the prompt and messages columns, the chat template
+and system prompt). A later run whose settings differ, while the folder holds output rows, is
+refused before any model loads, naming what changed, unless it is allowed (``run
+--allow-changed-job``): then the new settings are recorded, and the old ones kept under
+``previous``. Settings that only change speed (drafters, selector, slots, device) or which rows
+fail (``batch.max_model_len``, ``input.max_line_bytes``) are not part of it. In a greedy job the
+seed, top_p and top_k change nothing and are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .config import JobConfig
+from .io.writer import OUTPUTS_DIR, write_json_atomic
+
+FILE = "job-fingerprint.json"
+
+
+class JobChanged(ValueError):
+    """The job's settings differ from those the output folder's rows were made with."""
+
+
+def _model_ref(ref: str) -> str:
+    """A local model directory by its real path (so ./m and /abs/m are one model); other refs as given."""
+    return os.path.realpath(ref) if os.path.exists(ref) else ref
+
+
+def fingerprint(job: JobConfig) -> dict[str, Any]:
+    """The settings that change a row's text, as plain JSON data."""
+    s, i = job.sampling, job.input
+    fp: dict[str, Any] = {
+        "target.model": _model_ref(job.target.model),
+        "target.dtype": job.target.dtype,
+        "sampling.temperature": s.temperature,
+        "sampling.max_tokens": s.max_tokens,
+        "sampling.stop": list(s.stop),
+        "sampling.ignore_eos": s.ignore_eos,
+        "input.prompt_column": i.prompt_column,
+        "input.messages_column": i.messages_column,
+        "input.chat_template": i.chat_template,
+        "input.system_prompt": i.system_prompt,
+    }
+    if not s.greedy:
+        fp.update({"sampling.seed": s.seed, "sampling.top_p": s.top_p, "sampling.top_k": s.top_k})
+    return json.loads(json.dumps(fp))
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def check_fingerprint(out: Path, job: JobConfig, *, allow_changed: bool = False,
+                      warn: Callable[[str], None] = _warn) -> None:
+    """Record the job's fingerprint in ``out``, or compare it with the one recorded there.
+
+    Raises:
+        JobChanged: ``out`` holds output rows made with other settings and ``allow_changed`` is false.
+    """
+    path = out / FILE
+    new = fingerprint(job)
+    old: dict[str, Any] | None = None
+    history: list = []
+    if path.exists():
+        try:
+            doc = json.loads(path.read_text())
+            old, history = dict(doc["fingerprint"]), list(doc.get("previous", []))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            warn(f"spin-batch: warning: cannot read {path} ({e}); writing this job's settings there anew")
+    has_rows = any((out / OUTPUTS_DIR).glob("part-*.parquet"))
+    if old is not None and has_rows:
+        changes = [f"{k} {old[k]!r} -> {new[k]!r}" for k in new if k in old and old[k] != new[k]]
+        if not changes:
+            return
+        if not allow_changed:
+            raise JobChanged(f"{out} holds rows of a job with other settings: {'; '.join(changes)}. Rerun with "
+                             "the old settings, use another output.dir, or pass --allow-changed-job to add rows "
+                             f"made with the new ones (recorded in {path})")
+        warn(f"spin-batch: warning: job settings changed ({'; '.join(changes)}); going on as --allow-changed-job "
+             f"asks: rows made before and after the change are mixed in {out}")
+        history.append(old)
+    elif old == new:
+        return
+    write_json_atomic(path, {"fingerprint": new, "previous": history,
+                             "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
