@@ -39,12 +39,40 @@ def main() -> None:
               help="Number of workers (default: SLURM_ARRAY_TASK_COUNT, else 1).")
 @click.option("--limit", type=int, default=None, help="Process only the first N rows of this worker's input.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (for logs).")
-def run(job_path, overrides, shard_index, num_shards, limit, no_progress):
+@click.option("--retry-errors", is_flag=True,
+              help="Also redo the rows whose row is an error (after fixing the input or the job); the new row "
+                   "replaces the old one.")
+@click.option("--allow-changed-job", is_flag=True,
+              help="Resume even though settings that change a row's text (model, dtype, sampling, columns, "
+                   "chat template) differ from those OUTPUT_DIR/job-fingerprint.json recorded.")
+def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job):
     """Run a job: decode every prompt and write outputs, stats and summary.json.
 
-    A rerun of the same job resumes: rows already written are skipped.
+    \b
+    A rerun of the same job resumes: rows already written are skipped,
+    error rows included unless --retry-errors. Each input row (source) keeps
+    one output row: a retried row replaces the old error row in the parts
+    (the latest row of a source counts; `report` and read_outputs read that).
+    A part that cannot be read is moved aside (.corrupt-<time>) and its
+    rows are redone. A resume whose text-changing settings differ from the
+    first run's is refused unless --allow-changed-job.
+    Input: blank JSONL lines are skipped (no row); a row with both a prompt
+    and messages, or a line over input.max_line_bytes, is an error row.
+    Exit codes: 0 every row written (error rows included), 1 bad job or
+    input, 75 another run of this worker holds the lock, 128+signal after
+    SIGTERM/SIGINT (130 for Ctrl-C, during start-up too): rerun to resume.
     """
+    try:
+        _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job)
+    except KeyboardInterrupt:  # Ctrl-C before the loop ran, or a second one: not a bad job (click says 1)
+        click.echo("\nspin-batch: interrupted; rows already written are kept, rerun the same command to resume",
+                   err=True)
+        sys.exit(130)
+
+
+def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job):
     from .io.reader import InputError
+    from .io.writer import OutputError
     from .models.cpu_gemm import CpuGemmUnavailable
     from .models.loader import ModelNotFoundError
     from .models.llama import UnsupportedModelError
@@ -58,11 +86,13 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress):
         if problems:
             raise click.ClickException("invalid job:\n" + "\n".join(f"  {p}" for p in problems))
         result = run_job(job, shard_index=shard_index, num_shards=num_shards, limit=limit,
-                         progress=not no_progress, stop=stop)
+                         progress=not no_progress, stop=stop, retry_errors=retry_errors,
+                         allow_changed_job=allow_changed_job)
     except RunLocked as e:  # not a failure of this job: EX_TEMPFAIL, so a cron wrapper can tell
         click.echo(f"Error: {e}", err=True)
         sys.exit(75)
-    except (InputError, ModelNotFoundError, UnsupportedModelError, CpuGemmUnavailable, ValueError, OSError) as e:
+    except (InputError, OutputError, ModelNotFoundError, UnsupportedModelError, CpuGemmUnavailable, ValueError,
+            OSError) as e:
         raise click.ClickException(str(e)) from None
     s = result.summary
     click.echo(

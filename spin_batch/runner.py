@@ -33,9 +33,11 @@ from .drafters.vote import VoteDrafter
 from .engine.loop import BatchLoop, LoopSettings
 from .engine.policy import make_policy
 from .engine.sampling import SamplingParams
+from .fingerprint import check_fingerprint
 from .io.reader import (InputError, Request, assign, check_columns, check_input, iter_requests, list_shards,
                         shard_defaults_from_env)
-from .io.writer import OutputWriter, StatsWriter, cleanup_temp, make_run_id, read_done, write_json_atomic
+from .io.writer import (OutputWriter, StatsWriter, cleanup_temp, drop_superseded, make_run_id, read_done,
+                        write_json_atomic)
 from .models import cpu_plan, loader
 from .models.draft import TargetFeatures, check_pairing, draft_meta, load_draft
 from .models.llama import LlamaModel
@@ -278,17 +280,21 @@ def backends(engine: Engine) -> dict:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT: the loop finishes its step, outputs are flushed, the job exits."""
+    """Set by SIGTERM/SIGINT: the loop finishes its step, outputs are flushed, the job exits.
+
+    A SIGINT before the loop runs (start-up: loading models), or a second one, interrupts at once
+    (KeyboardInterrupt): nothing is in flight yet to finish."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.running = False  # set once the loop starts
 
     def __call__(self) -> bool:
         return self.signum is not None
 
     def install(self) -> None:
         def handler(signum, frame):
-            if self.signum is not None and signum == signal.SIGINT:
+            if signum == signal.SIGINT and (self.signum is not None or not self.running):
                 raise KeyboardInterrupt
             self.signum = signum
             print(f"\nspin-batch: got {signal.Signals(signum).name}; finishing the current step, flushing outputs. "
@@ -313,7 +319,12 @@ def run_job(
     progress: bool = True,
     stop: StopFlag | None = None,
     engine: Engine | None = None,
+    retry_errors: bool = False,
+    allow_changed_job: bool = False,
 ) -> RunResult:
+    """Run (or resume) this worker's part of the job. ``retry_errors``: redo the rows whose latest row
+    is an error. ``allow_changed_job``: resume even though the settings that change a row's text
+    differ from those the output folder's rows were made with (fingerprint.py)."""
     if shard_index is None or num_shards is None:
         env_index, env_count = shard_defaults_from_env()
         shard_index = env_index if shard_index is None else shard_index
@@ -330,22 +341,27 @@ def run_job(
         raise ValueError(problems[0])
     out = Path(job.output.dir)
     out.mkdir(parents=True, exist_ok=True)
+    check_fingerprint(out, job, allow_changed=allow_changed_job)
     worker = f"w{shard_index:04d}"
     lock = RunLock(out, worker)  # a second run of this worker stops here while this one goes on
     try:
-        return _run_locked(job, out, worker, shards, shard_index, num_shards, limit, progress, stop, engine)
+        return _run_locked(job, out, worker, shards, shard_index, num_shards, limit, progress, stop, engine,
+                           retry_errors)
     finally:
         lock.release()
 
 
 def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shard_index: int, num_shards: int,
-                limit: int | None, progress: bool, stop: StopFlag | None, engine: Engine | None) -> RunResult:
+                limit: int | None, progress: bool, stop: StopFlag | None, engine: Engine | None,
+                retry_errors: bool = False) -> RunResult:
     cleanup_temp(out, worker=worker)
-    done_sources, _ = read_done(out)
+    # unreadable parts are moved aside (their rows redone); rows a retried row replaced are dropped
+    done_sources, _ = read_done(out, retry_errors=retry_errors, tidy=True)
     run_id = make_run_id()
     stats = RunStats()
     engine = engine or build_engine(job, stats)
     engine.loop.stats = stats
+    stats.declare_drafters(["none", *engine.loop.drafters])  # one stats schema for every run of the job
     stats.restart_clock()  # throughput excludes model load
     stop = stop or StopFlag()
     skipped = 0  # rows of this worker's input already written by an earlier run
@@ -378,12 +394,16 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
             last_interval[0] = now
 
     try:
-        engine.loop.run(requests, make_encoder(engine.tokenizer, job), emit, stop, after_step)
+        encode = make_encoder(engine.tokenizer, job)
+        stop.running = True
+        engine.loop.run(requests, encode, emit, stop, after_step)
     finally:
         writer.close()
         stats_writer.add(stats.interval_record())
         stats_writer.close()
         bar.close()
+    if retry_errors:
+        drop_superseded(out)  # the error rows this run's rows replaced
     summary = {
         "run_id": run_id,
         "job": job_to_dict(job),

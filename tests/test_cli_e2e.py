@@ -255,7 +255,8 @@ def test_row_drafter_pulls_count_every_decode_step(tmp_path, tiny_dir, with_draf
 
 
 def test_bad_rows_become_error_rows(tmp_path, tiny_dir):
-    long_prompt = "the quick brown fox jumps over the lazy dog " * 30
+    # over max_model_len in tokens, but short enough to be tokenized (longer ones are turned away unread)
+    long_prompt = "the quick brown fox jumps over the lazy dog " * 12
     lines: list[bytes] = [
         b"\xef\xbb\xbf" + json.dumps({"id": "g0", "prompt": "the quick brown fox"}).encode(),  # 0 BOM, ok
         json.dumps({"prompt": "no id here"}).encode(),                 # 1 missing id
