@@ -123,7 +123,8 @@ def plan(spec, dtype: torch.dtype, device: torch.device, loop: tuple[tuple[int, 
         cpu_gemm.build_key(), str(dtype).removeprefix("torch."), f"threads={torch.get_num_threads()}",
         f"torch={torch.__version__}/{torch.backends.cpu.get_cpu_capability()}/{os.environ.get('ONEDNN_MAX_CPU_ISA', '')}",
         ",".join(str(x) for x in (spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads,
-                                   spec.head_dim, spec.vocab_size, int(spec.qkv_bias))),
+                                   spec.head_dim, spec.vocab_size, int(spec.qkv_bias),
+                                   int(getattr(spec, "o_bias", False)))),
         ";".join(f"{s}x{n}" for s, n in loop),
     ])
     path = cache_root() / "cpu_gemm" / "plans.json"
@@ -187,11 +188,13 @@ def _time_layers(spec, dtype: torch.dtype, loop, candidates) -> dict[str, float]
     w = {"qkv": _random((H + 2 * KV) * D, C, dtype=dtype), "o": _random(C, H * D, dtype=dtype),
          "gate_up": _random(2 * I, C, dtype=dtype), "down": _random(C, I, dtype=dtype)}
     bias = _random((H + 2 * KV) * D, dtype=dtype) if spec.qkv_bias else None
+    o_bias = _random(C, dtype=dtype) if getattr(spec, "o_bias", False) else None  # no fused C decoder then
     norm = torch.ones(C, dtype=dtype)
     models = {}
     for cand in candidates:
         plan_ = CpuPlan(cand, "torch", "candidate")
-        lin = {k: Linear(v, bias if k == "qkv" else None, panel=plan_.c_linears) for k, v in w.items()}
+        biases = {"qkv": bias, "o": o_bias}
+        lin = {k: Linear(v, biases.get(k), panel=plan_.c_linears) for k, v in w.items()}
         layer = LayerWeights(norm, lin["qkv"], lin["o"], norm, lin["gate_up"], lin["down"])
         models[cand] = LlamaModel(one, _random(64, C, dtype=dtype), [layer], norm, _random(64, C, dtype=dtype),
                                   max_len=CONTEXT + 32, plan=plan_)
