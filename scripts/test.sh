@@ -5,6 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The aarch64 (NEON) build of the C kernels is checked under qemu-user (tests/test_native_builds.py). In CI,
+# as root, install the cross compiler and qemu if they are missing; elsewhere that test says what to install.
+if [ "${CI:-}" = true ] && [ "$(id -u)" = 0 ] && [ "$(uname -m)" = x86_64 ] && ! command -v qemu-aarch64 >/dev/null; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user; } \
+    >/dev/null 2>&1 || echo "test.sh: could not install the aarch64 cross compiler and qemu-user; that check will skip" >&2
+fi
 # pytest's own script, not `python -m pytest`: -m puts the working directory on sys.path, and
 # there the top-level kernels/ (the source of spin_batch.kernels) would shadow the PyPI package
 # `kernels` that recent transformers imports. For the same reason tests/ is not a package.

@@ -1,0 +1,136 @@
+/* A C check of spin_batch/models/cpu_gemm.c, for builds the Python suite cannot load: another
+ * architecture (aarch64 under qemu-user) or another -march. Compiled as one unit with the kernels:
+ *   cc -O2 -march=... -fopenmp tests/native/check_kernels.c -o check -lm && ./check
+ * It checks the float32 and bfloat16 GEMMs against a double reference, that a row's result is bitwise
+ * the same alone and inside a batch (M = 1 vs M = 13), the RMS norm, and attention against a double
+ * reference and alone vs inside a verify run. Prints "kernels check (<isa>): N passed, M failed". */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../spin_batch/models/cpu_gemm.c"
+
+static int passed, failed;
+
+static void check(int ok, const char *what) {
+    if (ok) passed++;
+    else {
+        failed++;
+        printf("FAILED: %s\n", what);
+    }
+}
+
+static float rnd(void) { return (float)rand() / RAND_MAX * 2.0f - 1.0f; }
+
+static uint16_t bf(float f) { return to_bf16(f); }
+static float unbf(uint16_t h) { return bf16_to_float(h); }
+
+static void gemm_f32(void) {
+    enum { M = 13, O = 100, K = 70, OP = 128 };
+    static float w[O * K], wp[OP * K], x[M * K], y[M * OP], y1[OP];
+    for (int i = 0; i < O * K; i++) w[i] = rnd();
+    for (int i = 0; i < M * K; i++) x[i] = rnd();
+    spin_gemm_pack(w, wp, O, K, OP);
+    spin_gemm(x, wp, y, M, OP, K);
+    int ok = 1, same = 1;
+    for (int m = 0; m < M; m++)
+        for (int o = 0; o < O; o++) {
+            double ref = 0, mag = 0;
+            for (int k = 0; k < K; k++) ref += (double)x[m * K + k] * w[o * K + k], mag += fabs((double)x[m * K + k] * w[o * K + k]);
+            if (fabs(y[m * OP + o] - ref) > K * 1.2e-7 * mag + 1e-30) ok = 0;
+        }
+    for (int m = 0; m < M; m++) {
+        spin_gemm(x + m * K, wp, y1, 1, OP, K);
+        if (memcmp(y1, y + m * OP, O * sizeof(float))) same = 0;
+    }
+    check(ok, "float32 GEMM matches the double reference");
+    check(same, "float32 GEMM: a row alone equals the row in a batch of 13");
+}
+
+static void gemm_bf16(void) {
+    enum { M = 13, O = 100, K = 70, OP = 128 };
+    static uint16_t w[O * K], wp[OP * K], x[M * K], y[M * OP], y1[OP];
+    for (int i = 0; i < O * K; i++) w[i] = bf(rnd());
+    for (int i = 0; i < M * K; i++) x[i] = bf(rnd());
+    spin_gemm_pack_bf16(w, wp, O, K, OP);
+    spin_gemm_bf16(x, wp, y, M, OP, K);
+    int ok = 1, same = 1;
+    for (int m = 0; m < M; m++)
+        for (int o = 0; o < O; o++) {
+            double ref = 0, mag = 0;
+            for (int k = 0; k < K; k++) {
+                double t = (double)unbf(x[m * K + k]) * unbf(w[o * K + k]);
+                ref += t, mag += fabs(t);
+            }
+            if (fabs(unbf(y[m * OP + o]) - ref) > K * 1.2e-7 * mag * 1.01 + fabs(ref) / 256 + 1e-30) ok = 0;
+        }
+    for (int m = 0; m < M; m++) {
+        spin_gemm_bf16(x + m * K, wp, y1, 1, OP, K);
+        if (memcmp(y1, y + m * OP, O * sizeof(uint16_t))) same = 0;
+    }
+    check(ok, "bfloat16 GEMM matches the double reference");
+    check(same, "bfloat16 GEMM: a row alone equals the row in a batch of 13");
+}
+
+static void norm(void) {
+    enum { M = 5, C = 70 };
+    static float x[M * C], w[C], y[M * C];
+    for (int i = 0; i < M * C; i++) x[i] = 3 * rnd();
+    for (int i = 0; i < C; i++) w[i] = rnd();
+    spin_rms_norm(x, w, y, M, C, 1e-5f);
+    int ok = 1;
+    for (int m = 0; m < M; m++) {
+        double ss = 0;
+        for (int c = 0; c < C; c++) ss += (double)x[m * C + c] * x[m * C + c];
+        double r = 1 / sqrt(ss / C + 1e-5);
+        for (int c = 0; c < C; c++)
+            if (fabs(y[m * C + c] - x[m * C + c] * r * w[c]) > 2e-6 * (1 + fabs(x[m * C + c] * r * w[c]))) ok = 0;
+    }
+    check(ok, "RMS norm matches the double reference");
+}
+
+/* One slot, H = 6 query heads on KV = 2, D = 64: a verify run of 4 rows at positions 90..93 over a cache
+ * holding 90 keys, against a double reference; then the first row alone gives the same bits. */
+static void attention(void) {
+    enum { H = 6, KV = 2, D = 64, L = 128, N = 4, CTX = 90 };
+    static float kc[KV * L * D], vc[KV * L * D], q[N * H * D], kn[N * KV * D], vn[N * KV * D], out[N * H * D], one[H * D];
+    int64_t slot[N], pos[N];
+    for (int i = 0; i < KV * L * D; i++) kc[i] = rnd(), vc[i] = rnd();
+    for (int i = 0; i < N * H * D; i++) q[i] = rnd();
+    for (int i = 0; i < N * KV * D; i++) kn[i] = rnd(), vn[i] = rnd();
+    for (int i = 0; i < N; i++) slot[i] = 0, pos[i] = CTX + i;
+    int rc = spin_attention(q, H * D, kn, KV * D, vn, KV * D, kc, vc, out, slot, pos, N, H, KV, D, L, 4);
+    int ok = rc == 0;
+    for (int i = 0; i < N && ok; i++)
+        for (int h = 0; h < H; h++) {
+            int g = h / (H / KV);
+            double s[L], mx = -1e300, sum = 0;
+            for (int t = 0; t <= pos[i]; t++) {
+                double d = 0;
+                for (int j = 0; j < D; j++) d += (double)q[(i * H + h) * D + j] * kc[(g * L + t) * D + j];
+                s[t] = d / sqrt((double)D);
+                mx = s[t] > mx ? s[t] : mx;
+            }
+            for (int t = 0; t <= pos[i]; t++) s[t] = exp(s[t] - mx), sum += s[t];
+            for (int j = 0; j < D; j++) {
+                double o = 0;
+                for (int t = 0; t <= pos[i]; t++) o += s[t] / sum * vc[(g * L + t) * D + j];
+                if (fabs(out[(i * H + h) * D + j] - o) > 1e-5) ok = 0;
+            }
+        }
+    check(ok, "attention matches the double reference");
+    rc = spin_attention(q, H * D, kn, KV * D, vn, KV * D, kc, vc, one, slot, pos, 1, H, KV, D, L, 4);
+    check(rc == 0 && !memcmp(one, out, sizeof one), "attention: a row alone equals the row in a verify run");
+}
+
+int main(void) {
+    srand(1);
+    gemm_f32();
+    gemm_bf16();
+    norm();
+    attention();
+    printf("kernels check (%s, bfloat16 %s): %d passed, %d failed\n", spin_isa(),
+           spin_gemm_bf16_native() ? "dot products" : "widened", passed, failed);
+    return failed != 0;
+}
