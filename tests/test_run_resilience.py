@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import re
 import time
-from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from conftest import write_jsonl
-from test_cli_e2e import (_describe, _isolate_process_state, assert_each_id_once, invoke, make_job,  # noqa: F401
-                          part_files, prompt_rows, read_rows, read_summary, run_ok)
+from test_cli_e2e import _isolate_process_state  # noqa: F401 (autouse: signal handlers, SLURM_*, threads)
+from test_cli_e2e import (_describe, assert_each_id_once, invoke, make_job, part_files, prompt_rows, read_rows,
+                          read_summary, run_ok)
 
 
 # --------------------------------------------------------------------------
@@ -74,7 +73,8 @@ def test_a_jsonl_column_typo_fails_before_any_model_loads(tmp_path, tiny_dir, mo
         for command in ("run", "validate"):
             result = invoke(command, job)
             assert result.exit_code == 1, _describe(result)
-            assert f"{message}: none of its first 3 rows has it (fields: id, prompt)" in result.output, _describe(result)
+            expected = f"{message}: none of its first 3 rows has it (fields: id, prompt)"
+            assert expected in result.output, _describe(result)
         assert not out.exists()
 
 
@@ -123,7 +123,8 @@ def test_corrupt_truncated_or_empty_parts_are_moved_aside_and_redone(tmp_path, t
 
 def test_retry_errors_redoes_error_rows_and_keeps_one_row_per_source(tmp_path, tiny_dir):
     long = "the quick brown fox jumps over the lazy dog and the moon pulls on the oceans"
-    rows = prompt_rows(4) + [{"id": f"long{i}", "prompt": f"{long} {i}"} for i in range(3)] + [{"id": "bad", "prompt": ""}]
+    rows = prompt_rows(4) + [{"id": f"long{i}", "prompt": f"{long} {i}"} for i in range(3)]
+    rows.append({"id": "bad", "prompt": ""})
     ids = [r["id"] for r in rows]
     src = write_jsonl(tmp_path / "in" / "prompts.jsonl", rows)
     job, out = make_job(tmp_path, tiny_dir, [src], output={"rows_per_part": 3}, sampling={"max_tokens": 4},
