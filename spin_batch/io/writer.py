@@ -457,11 +457,16 @@ def _drop_rows(scan: _Scan, superseded: dict[int, list[int]], warn: Callable[[st
         drop = set(rows)
         keep = pa.array([i not in drop for i in range(table.num_rows)])
         kept = table.filter(keep)
-        if kept.num_rows:
-            _write_parquet_atomic(path, kept)
-        else:
-            path.unlink(missing_ok=True)
-            _fsync_dir(path.parent)
+        try:
+            if kept.num_rows:
+                _write_parquet_atomic(path, kept)
+            else:
+                path.unlink(missing_ok=True)
+                _fsync_dir(path.parent)
+        except OSError as exc:  # a full disk, or another worker's cleanup took the temp file: try next run
+            warn(f"spin-batch: warning: cannot rewrite {path} without the rows later ones replaced "
+                 f"({exc.strerror or exc}); left as it is, readers take each source's latest row")
+            continue
         dropped += table.num_rows - kept.num_rows
     return dropped
 
