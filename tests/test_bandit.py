@@ -152,7 +152,7 @@ def _gate_steps(gate, n: int, goodput, switch_cost: float = 10.0, slots: int = 4
     switches mode takes switch_cost times as long (the drafters' catch-up)."""
     modes = []
     for _ in range(n):
-        mode = gate.speculate(slots)
+        mode = gate.decide(slots)
         step = len(modes)
         modes.append(mode)
         seconds = 1.0 if gate.steady else switch_cost
@@ -169,7 +169,7 @@ def test_step_gate_pairs_a_burst_with_the_steps_before_it():
     # first step pays the switch and is not scored either
     assert modes == [True] * (GATE_WARMUP + 1) + [False] * GATE_BURST
     assert gate.warm[3] == GATE_WARMUP and 3 not in gate.log_ratio
-    assert gate.speculate(4)  # the burst closes: one pair, speculation 2x ahead
+    assert gate.decide(4)  # the burst closes: one pair, speculation 2x ahead
     assert gate.log_ratio[3].n == 1 and gate.log_ratio[3].mean == pytest.approx(math.log(2.0))
     assert gate.band(6) == gate.band(4) != gate.band(8)
 

@@ -310,14 +310,14 @@ class StepGate:
     def band(slots: int) -> int:
         return max(slots, 1).bit_length()  # 1 | 2-3 | 4-7 | 8-15 | 16-31 | ...
 
-    def speculates(self, band: int) -> bool:
+    def verdict(self, band: int) -> bool:
         """The band's verdict so far: speculate unless plain decoding measured ahead by GATE_MARGIN
         with a standard error to spare (two pairs at least): the gate overrides the cost model on
         evidence only, where one noisy pair at a small batch would otherwise stop speculation that pays."""
         r = self.log_ratio.get(band)
         return r is None or r.n < 2 or r.mean + r.stderr >= -math.log(GATE_MARGIN)
 
-    def speculate(self, slots: int) -> bool:
+    def decide(self, slots: int) -> bool:
         """Whether a step over this many decoding slots should run the bandit's choices."""
         band = self.band(slots)
         burst = self._burst.get(band)
@@ -332,7 +332,7 @@ class StepGate:
             return True
         burst = self._burst.get(band)
         if burst is None:
-            winner, ratio = self.speculates(band), self.log_ratio.get(band)
+            winner, ratio = self.verdict(band), self.log_ratio.get(band)
             self._since[band] += 1
             if ratio is not None:  # else no pair yet: a burst of plain decoding right after the warm-up
                 ahead = ratio.mean if winner else 0.0
@@ -569,7 +569,7 @@ class BanditPolicy(Policy):
             sharing = Counter(n for n, cap in zip(names, caps) if n is not None and cap > 0)
             return [self._fixed(n, cap, verify_price, lam, sharing[n]) for n, cap in zip(names, caps)]
         if self.gate is not None:
-            self._step = (len(slots), self.gate.speculate(len(slots)))
+            self._step = (len(slots), self.gate.decide(len(slots)))
             if not self._step[1]:
                 return [NO_SPEC] * len(slots)
         # a drafter whose cost is still unknown is tried by one slot, with a short draft: trying
