@@ -267,8 +267,6 @@ def test_attention_bias_is_llamas_only():
     assert qwen2.qkv_bias and not qwen2.o_bias
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 part 2 (every checkpoint tensor consumed, checked at load and "
-                   "validate) is not in yet: the checkpoint loads silently and validate says OK; drop this mark with it")
 def test_unknown_extra_tensor_is_rejected_at_validate_and_at_load(tmp_path, tiny_dir):
     """A checkpoint with a tensor our runtime would not use (here a q_norm, as Qwen3 has, in a folder that
     says llama) would give wrong text: `validate` (headers only) and loading both refuse it, naming it."""

@@ -33,12 +33,14 @@ from pathlib import Path
 
 import torch
 
-from .llama import Linear, LlamaModel, ModelSpec
+from .llama import CheckpointError, Linear, LlamaModel, ModelSpec, layer_tensors, tensor_problem
 from .segments import Segments
 
 DRAFT_KEY = "spin_batch_draft"
 EMBED_KEY = "model.embed_tokens.weight"
 _FINGERPRINT_ROWS = 16
+# A draft's own tensors besides its decoder layers (it has no embeddings nor lm_head: it reads the target's).
+DRAFT_TENSORS = ("model.embed_proj.weight", "model.norm.weight", "lm_head_proj.weight", "vocab_ids")
 
 
 def draft_meta(model_dir: Path) -> dict | None:
@@ -46,6 +48,11 @@ def draft_meta(model_dir: Path) -> dict | None:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     meta = cfg.get(DRAFT_KEY)
     return dict(meta) if isinstance(meta, dict) else None
+
+
+def draft_tensors(spec: ModelSpec) -> set[str]:
+    """The tensors load_draft reads (the rule for a distilled draft's checkpoint; see llama.expected_tensors)."""
+    return layer_tensors(spec) | set(DRAFT_TENSORS)
 
 
 def fingerprint(model_dir: Path) -> str:
@@ -135,6 +142,9 @@ def load_draft(draft_dir: Path, target: LlamaModel, dtype: torch.dtype, device: 
     if target.embed.shape[1] != meta["target_hidden_size"] or spec.vocab_size != target.spec.vocab_size:
         raise ValueError(f"{draft_dir} does not fit this target (embedding width or vocabulary size differs)")
     sd = load_state_dict(draft_dir)
+    problem = tensor_problem(spec, draft_tensors(spec), sd)
+    if problem:
+        raise CheckpointError(f"{draft_dir}: {problem}")
 
     def get(name: str) -> torch.Tensor:
         return sd[name].to(device=device, dtype=dtype).contiguous()

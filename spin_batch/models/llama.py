@@ -28,6 +28,12 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+class CheckpointError(ValueError):
+    """A model folder's weights cannot be used as they are: a safetensors file is unreadable, or its
+    tensors are not the ones config.json's architecture reads (a tensor missing, or one the decoder
+    would not use: dropping it gives wrong text)."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Architecture facts read from a Hugging Face config.json."""
@@ -88,6 +94,86 @@ class ModelSpec:
             sliding_window=window,
             o_bias=attention_bias,
         )
+
+
+def window_problem(spec: ModelSpec, max_len: int) -> str | None:
+    """Why a cache of max_len positions does not fit the model (a context past its sliding window), or None."""
+    if spec.sliding_window is not None and max_len > spec.sliding_window:
+        return (f"max_model_len {max_len} exceeds the model's sliding window {spec.sliding_window}; "
+                "sliding-window attention is not implemented")
+    return None
+
+
+# -- which checkpoint tensors the decoder reads ------------------------------------------------
+#
+# One rule, used where a checkpoint loads (LlamaModel.from_state_dict, models/draft.py's load_draft)
+# and where `validate` reads only the safetensors headers (loader.check_model_ref): every tensor of the
+# checkpoint is read, and every tensor read is there. A tensor we would not read (a q_norm, an
+# unexpected bias, quantization scales) means an architecture we do not run: its text would be wrong.
+
+EMBED_TENSOR = "model.embed_tokens.weight"
+HEAD_TENSOR = "lm_head.weight"
+# Tensors transformers also ignores when it loads (buffers recomputed from config.json; older Llama
+# checkpoints saved the rotary inverse frequencies of each layer).
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+NAMES_SHOWN = 3  # a problem names this many tensors, plus a count of the rest
+
+
+def layer_tensors(spec: ModelSpec) -> set[str]:
+    """The tensors layers_from_state_dict reads: every decoder layer's."""
+    names = set()
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        names.update(p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"))
+        names.update(p + f"self_attn.{n}_proj.weight" for n in "qkvo")
+        if spec.qkv_bias:
+            names.update(p + f"self_attn.{n}_proj.bias" for n in "qkv")
+        if spec.o_bias:
+            names.add(p + "self_attn.o_proj.bias")
+    return names
+
+
+def expected_tensors(spec: ModelSpec, present) -> set[str]:
+    """The tensors from_state_dict reads from a checkpoint whose tensor names are `present`.
+
+    Untied (tie_word_embeddings false): the embeddings and lm_head.weight, both. Tied, as transformers
+    loads it (PreTrainedModel.tie_weights): lm_head.weight is read where the checkpoint has it (saved
+    with values of its own, transformers does not tie them; saved equal, it makes no difference), and
+    one of the two serves as both where only one is there."""
+    names = layer_tensors(spec) | {"model.norm.weight"}
+    if not spec.tie_word_embeddings:
+        return names | {EMBED_TENSOR, HEAD_TENSOR}
+    return names | ({EMBED_TENSOR, HEAD_TENSOR} & set(present) or {EMBED_TENSOR})
+
+
+def _natural(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in name.split(".")]
+
+
+def _few(names: list[str]) -> str:
+    shown = ", ".join(names[:NAMES_SHOWN])
+    return shown if len(names) <= NAMES_SHOWN else f"{shown} and {len(names) - NAMES_SHOWN} more"
+
+
+def tensor_problem(spec: ModelSpec, expected: set[str], present) -> str | None:
+    """What is wrong with a checkpoint holding `present` (names) where `expected` are read, or None."""
+    present = set(present)
+    missing = sorted(expected - present, key=_natural)
+    unused = sorted((n for n in present - expected if not n.endswith(IGNORED_TENSOR_SUFFIXES)), key=_natural)
+    if not missing and not unused:
+        return None
+    what = [f"{spec.model_type}, {spec.num_layers} layer{'s' if spec.num_layers != 1 else ''}"]
+    if spec.qkv_bias or spec.o_bias:
+        what.append("q/k/v" + ("/o" if spec.o_bias else "") + " biases")
+    what.append(f"tie_word_embeddings {str(spec.tie_word_embeddings).lower()}")
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} tensor{'s' if len(missing) > 1 else ''} missing: {_few(missing)}")
+    if unused:
+        parts.append(f"{len(unused)} tensor{'s' if len(unused) > 1 else ''} the decoder would not use "
+                     f"(a different architecture; its text would be wrong): {_few(unused)}")
+    return f"weights do not match config.json ({', '.join(what)}): {'; '.join(parts)}"
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -430,18 +516,27 @@ class LlamaModel:
         cls, spec: ModelSpec, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str,
         plan: CpuPlan | None = None,
     ) -> "LlamaModel":
+        """Raises CheckpointError unless sd holds exactly the tensors the spec reads (expected_tensors)."""
+        problem = tensor_problem(spec, expected_tensors(spec, sd), sd)
+        if problem:
+            raise CheckpointError(problem)
+
         def get(name: str) -> torch.Tensor:
             return sd[name].to(device=device, dtype=dtype).contiguous()
 
-        embed = get("model.embed_tokens.weight")
-        head = embed if spec.tie_word_embeddings or "lm_head.weight" not in sd else get("lm_head.weight")
+        embed = get(EMBED_TENSOR if EMBED_TENSOR in sd else HEAD_TENSOR)
+        # Tied and saved equal (or only one saved): one tensor serves both, as transformers ties them.
+        shared = HEAD_TENSOR not in sd or EMBED_TENSOR not in sd or (
+            spec.tie_word_embeddings and sd[EMBED_TENSOR].dtype == sd[HEAD_TENSOR].dtype
+            and torch.equal(sd[EMBED_TENSOR], sd[HEAD_TENSOR]))
+        head = embed if shared else get(HEAD_TENSOR)
         layers = cls.layers_from_state_dict(spec, get, None if plan is None else plan.c_linears)
         return cls(spec, embed, layers, get("model.norm.weight"), head, plan=plan)
 
     @staticmethod
     def layers_from_state_dict(spec: ModelSpec, get, panel: bool | None = None) -> list[LayerWeights]:
-        """The decoder layers, fused (qkv, gate_up); get(name) returns a tensor on the target device; panel
-        as for Linear."""
+        """The decoder layers, fused (qkv, gate_up), from the tensors layer_tensors(spec) names; get(name) returns
+        a tensor on the target device; panel as for Linear."""
         layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
@@ -479,11 +574,9 @@ class LlamaModel:
         self._rope_len = length
 
     def allocate_cache(self, slots: int, max_len: int, num_layers: int | None = None) -> KVCache:
-        if self.spec.sliding_window is not None and max_len > self.spec.sliding_window:
-            raise UnsupportedModelError(
-                f"max_model_len {max_len} exceeds the model's sliding window {self.spec.sliding_window}; "
-                "sliding-window attention is not implemented"
-            )
+        problem = window_problem(self.spec, max_len)
+        if problem:
+            raise UnsupportedModelError(problem)
         self._ensure_rope(max_len)
         s = self.spec
         return KVCache.allocate(

@@ -21,7 +21,7 @@ import torch
 
 from ..cachedir import cache_root, cached_file, file_lock  # noqa: F401 (cached_file: re-exported)
 from . import cpu_plan
-from .llama import LlamaModel, ModelSpec
+from .llama import CheckpointError, LlamaModel, ModelSpec, expected_tensors, tensor_problem
 
 BUILTIN_PREFIX = "builtin:"
 BUILTINS = {
@@ -35,6 +35,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ModelNotFoundError(FileNotFoundError):
     pass
+
+
+class TokenizerError(ValueError):
+    """A model folder's tokenizer is missing or does not load."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -77,10 +81,23 @@ def check_model_ref(spec: str) -> list[str]:
     if not list(p.glob("*.safetensors")):
         return [f"{spec}: no *.safetensors weights in the model directory"]
     try:
-        ModelSpec.from_hf_config(json.loads((p / "config.json").read_text()))
+        model_spec = ModelSpec.from_hf_config(json.loads((p / "config.json").read_text()))
     except (ValueError, KeyError) as e:
         return [f"{spec}: {e}"]
-    return []
+    try:  # the safetensors headers only: what the weights are, not the weights
+        names = checkpoint_names(p)
+    except (CheckpointError, ModelNotFoundError) as e:  # it names the file
+        return [str(e)]
+    problem = tensor_problem(model_spec, checkpoint_rule(p, model_spec, names), names)
+    return [f"{spec}: {problem}"] if problem else []
+
+
+def checkpoint_rule(model_dir: Path, spec: ModelSpec, names) -> set[str]:
+    """The tensors a model folder's checkpoint must hold: a distilled draft's (draft.draft_tensors, read by
+    load_draft) or a model's (llama.expected_tensors, read by LlamaModel.from_state_dict)."""
+    from .draft import draft_meta, draft_tensors
+
+    return draft_tensors(spec) if draft_meta(model_dir) is not None else expected_tensors(spec, names)
 
 
 def resolve_model_dir(spec: str) -> Path:
@@ -98,32 +115,134 @@ def read_spec(model_dir: Path) -> ModelSpec:
     return ModelSpec.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files that hold a folder's weights, as transformers picks them: the shards
+    model.safetensors.index.json names where there is one, else model.safetensors where there is one
+    (a consolidated.safetensors beside them, as Mistral's folders ship, is another format of the same
+    weights), else every *.safetensors. Raises CheckpointError for a shard the index names that is
+    not there."""
+    model_dir = Path(model_dir)
+    index = model_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index (no readable weight_map: {e})") from None
+        missing = [f for f in shards if not (model_dir / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'}"
+                                  " not in the folder")
+        return [model_dir / f for f in shards]
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def read_tensor_names(path: Path) -> list[str]:
+    """The tensor names of one safetensors file, from its header alone (8-byte little-endian length, JSON).
+    Raises CheckpointError naming the file where it is not a whole safetensors file: a garbage or
+    oversized header, or a data section shorter than the header's offsets (a truncated copy)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: not a safetensors file ({size} bytes, no header)")
+            n = int.from_bytes(head, "little")
+            if n > size - 8 or n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: not a safetensors file, or a truncated one: its header length says "
+                                      f"{n} bytes, the file has {size - 8} after it")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
+    try:
+        header = json.loads(raw)
+    except ValueError as e:  # not UTF-8, or not JSON
+        raise CheckpointError(f"{path}: not a safetensors file (its header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise CheckpointError(f"{path}: not a safetensors file (a header entry has no data_offsets)") from None
+    if end > size - 8 - n:
+        raise CheckpointError(f"{path}: truncated: its header says {end} bytes of tensor data, the file has "
+                              f"{size - 8 - n}")
+    try:  # the library's own checks too (dtypes, shapes against offsets, bytes past the last tensor)
+        with safe_open(str(path), framework="pt") as fh:
+            return list(fh.keys())
+    except Exception as e:  # safetensors' SafetensorError derives from Exception only
+        raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
+
+
+def checkpoint_names(model_dir: Path) -> list[str]:
+    """Every tensor name of a folder's weight files (weight_files), headers only. Raises
+    ModelNotFoundError where there are none, CheckpointError for an unreadable file or a tensor
+    in two files."""
+    files = weight_files(model_dir)
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {model_dir}")
-    sd: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}
     for f in files:
-        sd.update(load_file(str(f)))
+        for name in read_tensor_names(f):
+            if name in where:
+                raise CheckpointError(f"tensor {name} is in both {where[name]} and {f}")
+            where[name] = f
+    return list(where)
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's weight files, after checkpoint_names has checked their headers."""
+    from safetensors.torch import load_file
+
+    checkpoint_names(model_dir)
+    sd: dict[str, torch.Tensor] = {}
+    for f in weight_files(model_dir):
+        try:
+            sd.update(load_file(str(f)))
+        except Exception as e:  # a file changed since, or a read error the header did not show
+            raise CheckpointError(f"{f}: cannot load it ({e})") from None
     return sd
 
 
 def load_model(model_dir: Path, dtype: str = "float32", device: str | torch.device = "cpu",
                loop: tuple[tuple[int, int], ...] | None = None, plan: cpu_plan.CpuPlan | None = None) -> LlamaModel:
     """The model, on the CPU path measured fastest here for the loop's forwards (cpu_plan.workloads()),
-    or on `plan` where given."""
+    or on `plan` where given. Raises CheckpointError (naming the folder) where the weights are unreadable
+    or not those config.json's architecture reads."""
     spec = read_spec(model_dir)
+    sd = load_state_dict(model_dir)
     dev = torch.device(device) if isinstance(device, str) else device
     plan = plan or cpu_plan.plan(spec, DTYPES[dtype], dev, loop)
-    return LlamaModel.from_state_dict(spec, load_state_dict(model_dir), DTYPES[dtype], dev, plan)
+    try:
+        return LlamaModel.from_state_dict(spec, sd, DTYPES[dtype], dev, plan)
+    except CheckpointError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken", "spiece.model", "vocab.txt")
 
 
 def load_tokenizer(model_dir: Path):
+    """The folder's tokenizer. Raises TokenizerError (one line, naming the folder) where it has none or it
+    does not load."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # transformers raises ValueError, OSError, ImportError... for a missing or broken one
+        if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+            raise TokenizerError(f"{model_dir}: no tokenizer files (tokenizer.json, tokenizer.model, or vocab.json "
+                                 "and merges.txt): copy the model's tokenizer files into the folder") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TokenizerError(f"{model_dir}: its tokenizer does not load ({first})") from None
 
 
 # -- the embedded model ------------------------------------------------------------------
