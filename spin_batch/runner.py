@@ -40,7 +40,7 @@ from .io.writer import (OutputWriter, StatsWriter, cleanup_temp, drop_superseded
                         write_json_atomic)
 from .models import cpu_plan, loader
 from .models.draft import TargetFeatures, check_pairing, draft_meta, load_draft
-from .models.llama import LlamaModel
+from .models.llama import LlamaModel, window_problem
 from .stats import RunStats
 
 
@@ -48,20 +48,27 @@ from .stats import RunStats
 
 
 def dir_problem(path: Path) -> list[str]:
-    """Why `path` cannot be made a directory (it, or a folder above it, is a file), if it cannot."""
+    """Why `path` cannot be made a directory to write in (it, or a folder above it, is a file; it, or
+    the folder it would be made in, is not writable), if it cannot."""
     for p in (path, *path.parents):
         if p.exists():
-            return [] if p.is_dir() else [f"{p} exists and is not a directory"]
+            if not p.is_dir():
+                return [f"{p} exists and is not a directory"]
+            if not os.access(p, os.W_OK | os.X_OK):
+                return [f"{p} is not writable" if p == path else f"cannot create {path}: {p} is not writable"]
+            return []
     return []
 
 
 def check_output(job: JobConfig) -> list[str]:
-    """Whether output.dir can be a directory."""
+    """Whether output.dir can be a directory this process writes in."""
     return [f"output.dir: {p}" for p in dir_problem(Path(job.output.dir))]
 
 
 def check_models(job: JobConfig) -> list[str]:
-    """Model-level problems of a job: the device, missing models, early-exit depth, tokenizer mismatch."""
+    """Model-level problems of a job, without loading weights: the device, missing or unreadable model
+    folders, checkpoints whose tensors do not fit their config.json (safetensors headers only), missing
+    tokenizers, a context past a sliding window, early-exit depth, tokenizer mismatch, draft pairing."""
     try:
         loader.resolve_device(job.target.device)
     except RuntimeError as e:
@@ -70,8 +77,18 @@ def check_models(job: JobConfig) -> list[str]:
     if problems:
         return problems
     target_dir = loader.resolve_model_dir(job.target.model)
+    if draft_meta(target_dir) is not None:
+        return [f"target.model: {job.target.model} is a distilled draft; it runs only as a `kind: model` drafter "
+                "next to the target it was distilled for"]
     spec = loader.read_spec(target_dir)
-    target_vocab = None
+    window = window_problem(spec, job.batch.max_model_len)
+    if window:
+        problems.append(f"target.model: {window}; set batch.max_model_len to {spec.sliding_window} or less")
+    try:
+        target_vocab = loader.load_tokenizer(target_dir).get_vocab()
+    except loader.TokenizerError as e:
+        problems.append(f"target.model: {e}")
+        target_vocab = None
     for d in job.drafters:
         if isinstance(d, EarlyExitDrafterConfig):
             p = check_layers(d.layers, spec.num_layers)
@@ -82,18 +99,26 @@ def check_models(job: JobConfig) -> list[str]:
             if refs:
                 problems.extend(f"drafters.{d.name}: {r}" for r in refs)
                 continue
-            if target_vocab is None:
-                target_vocab = loader.load_tokenizer(target_dir).get_vocab()
             draft_dir = loader.resolve_model_dir(d.model)
-            if loader.load_tokenizer(draft_dir).get_vocab() != target_vocab:
-                problems.append(f"drafters.{d.name}: tokenizer of {d.model} does not match the target's tokenizer")
-            else:
+            window = window_problem(loader.read_spec(draft_dir), job.batch.max_model_len)
+            if window:
+                problems.append(f"drafters.{d.name}: {window}")
+            if draft_meta(draft_dir) is None:  # a plain model: its token ids must mean the target's tokens
                 try:
-                    why = check_pairing(draft_dir, target_dir)
-                except ValueError as e:  # the target is no model a draft can pair with (a draft's own folder)
-                    why = str(e)
-                if why is not None:
-                    problems.append(f"drafters.{d.name}: {why}")
+                    draft_vocab = loader.load_tokenizer(draft_dir).get_vocab()
+                except loader.TokenizerError as e:
+                    problems.append(f"drafters.{d.name}: {e} (needed to check it against the target's)")
+                    continue
+                if target_vocab is not None and draft_vocab != target_vocab:
+                    problems.append(f"drafters.{d.name}: tokenizer of {d.model} does not match the target's tokenizer")
+                continue
+            # a distilled draft reads the target's tokens and embeddings: the fingerprint pairs them
+            try:
+                why = check_pairing(draft_dir, target_dir)
+            except ValueError as e:  # the target has no embeddings a draft can pair with
+                why = str(e)
+            if why is not None:
+                problems.append(f"drafters.{d.name}: {why}")
     return problems
 
 
@@ -130,13 +155,16 @@ class Engine:
 
 
 def eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    """The ids that end a completion: the tokenizer's eos token, plus the eos_token_id (an int or a list)
+    that transformers' generate stops at: generation_config.json's where the folder has one, else
+    config.json's (GenerationConfig.from_pretrained falls back to config.json, as from_model_config does)."""
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    gen_cfg = model_dir / "generation_config.json"
-    if gen_cfg.exists():
-        e = json.loads(gen_cfg.read_text()).get("eos_token_id")
-        ids.update(e if isinstance(e, list) else [e] if e is not None else [])
+    gen_cfg = Path(model_dir) / "generation_config.json"
+    source = gen_cfg if gen_cfg.exists() else Path(model_dir) / "config.json"
+    e = json.loads(source.read_text()).get("eos_token_id")
+    ids.update(e if isinstance(e, list) else [e] if e is not None else [])
     return frozenset(ids)
 
 
