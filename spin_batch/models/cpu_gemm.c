@@ -43,7 +43,7 @@ typedef v8 vw;
 typedef u16x8 hw;
 typedef u32x8 uw;
 #define VW 8
-#define MR 6
+#define MR 3
 #if defined(__AVX2__) && defined(__FMA__)
 #define ISA_NAME "avx2"
 #elif defined(__aarch64__)
@@ -52,49 +52,68 @@ typedef u32x8 uw;
 #define ISA_NAME "generic"
 #endif
 #endif
-#define UNIT (2 * VW) /* outputs per micro-kernel call */
+#define UNIT 32 /* outputs per micro-kernel call: two panels */
+#define NV (UNIT / VW) /* vectors per row of a unit: 2 zmm, or 4 ymm / NEON pairs */
 
 /* The instruction set this build's GEMM micro-kernel was written for (shown by `spin-batch env`). */
 const char *spin_isa(void) { return ISA_NAME; }
 
-/* Where the unit u's two vectors sit at step k: with VW 16 they are panels 2u and 2u + 1, with VW 8
- * the two halves of panel u. */
-static inline int64_t unit_at(int64_t u, int64_t K, int64_t k, int half) {
-    return VW == 16 ? (2 * u + half) * K * 16 + k * 16 : u * K * 16 + k * 16 + half * 8;
+/* Where vector j of unit u sits at step k: panel 2u + j / (16 / VW), at lane offset (j % (16 / VW)) * VW. */
+static inline int64_t unit_at(int64_t u, int64_t K, int64_t k, int j) {
+    return (2 * u + j / (16 / VW)) * K * 16 + k * 16 + (j % (16 / VW)) * VW;
 }
 
+#ifndef PF
 #define PF 64 /* prefetch distance in k-steps: 64 bytes of each panel per step */
-#define MICRO(R)                                                                                         \
-    static void micro_##R(const float *x, const float *wp, float *y, int64_t K, int64_t O, int64_t u) {  \
-        vw a0[R], a1[R];                                                                                 \
-        for (int m = 0; m < R; m++) a0[m] = a1[m] = (vw){0};                                             \
-        for (int64_t k = 0; k < K; k++) {                                                                \
+#endif
+#define KB 128 /* k-steps per block: a unit's block of weights (16 KB in float32) stays in L1 while each group
+                  of MR rows passes over it, so the weights stream from memory once for any M */
+
+/* acc [R rows, stride lda][UNIT] (+)= x [R, K] (k0..k1) @ unit u's weights^T; zeroed first where k0 == 0.
+ * A row's accumulators are stored and reloaded between blocks exactly, so its sum still runs over k in
+ * order in one lane, whatever M is. WT / XT: the weights' and x's storage; LOADW / LOADX widen them. */
+#define MICRO_T(NAME, R, WT, XT, LOADW, LOADX)                                                           \
+    static void NAME##_##R(const XT *x, const WT *wp, float *acc, int64_t lda, int64_t K, int64_t k0,    \
+                           int64_t k1, int64_t u) {                                                      \
+        vw a[R][NV];                                                                                     \
+        for (int m = 0; m < R; m++)                                                                      \
+            for (int j = 0; j < NV; j++) a[m][j] = k0 ? *(const vw *)(acc + m * lda + j * VW) : (vw){0}; \
+        for (int64_t k = k0; k < k1; k++) {                                                              \
             __builtin_prefetch(wp + unit_at(u, K, k + PF, 0), 0, 3);                                     \
-            if (VW == 16) __builtin_prefetch(wp + unit_at(u, K, k + PF, 1), 0, 3);                       \
-            vw w0 = *(const vw *)(wp + unit_at(u, K, k, 0)), w1 = *(const vw *)(wp + unit_at(u, K, k, 1)); \
+            __builtin_prefetch(wp + unit_at(u, K, k + PF, NV - 1), 0, 3);                                \
+            vw w[NV];                                                                                    \
+            for (int j = 0; j < NV; j++) w[j] = LOADW(wp + unit_at(u, K, k, j));                         \
             for (int m = 0; m < R; m++) {                                                                \
-                float s = x[m * K + k];                                                                  \
-                a0[m] += s * w0;                                                                         \
-                a1[m] += s * w1;                                                                         \
+                float s = LOADX(x[m * K + k]);                                                           \
+                for (int j = 0; j < NV; j++) a[m][j] += s * w[j];                                        \
             }                                                                                            \
         }                                                                                                \
-        for (int m = 0; m < R; m++) {                                                                    \
-            *(vw *)(y + m * O + UNIT * u) = a0[m];                                                       \
-            *(vw *)(y + m * O + UNIT * u + VW) = a1[m];                                                  \
-        }                                                                                                \
+        for (int m = 0; m < R; m++)                                                                      \
+            for (int j = 0; j < NV; j++) *(vw *)(acc + m * lda + j * VW) = a[m][j];                      \
     }
 
-MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
-#if MR > 6
-MICRO(7) MICRO(8) MICRO(9) MICRO(10) MICRO(11) MICRO(12)
+#define LOAD_F32(p) (*(const vw *)(p))
+#define AS_FLOAT(v) (v)
+#define MICRO(R) MICRO_T(micro, R, float, float, LOAD_F32, AS_FLOAT)
+MICRO(1) MICRO(2) MICRO(3)
+#if MR > 3
+MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8) MICRO(9) MICRO(10) MICRO(11) MICRO(12)
 #endif
 
-typedef void (*micro_t)(const float *, const float *, float *, int64_t, int64_t, int64_t);
-static const micro_t MICROS[MR + 1] = {0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6,
-#if MR > 6
-                                       micro_7, micro_8, micro_9, micro_10, micro_11, micro_12
+typedef void (*micro_t)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t);
+static const micro_t MICROS[MR + 1] = {0, micro_1, micro_2, micro_3,
+#if MR > 3
+                                       micro_4, micro_5, micro_6, micro_7, micro_8, micro_9, micro_10, micro_11, micro_12
 #endif
 };
+
+/* Every unit u of the call, block by block: MICRO_FN(r rows, x row m0, acc row m0, k0, k1, u). */
+#define FOR_BLOCKS(M, K, MICRO_FN)                                                                \
+    for (int64_t k0 = 0; k0 < (K); k0 += KB)                                                             \
+        for (int64_t m0 = 0; m0 < (M); m0 += MR) {                                                       \
+            int64_t r = (M) - m0 < MR ? (M) - m0 : MR, k1 = k0 + KB < (K) ? k0 + KB : (K);               \
+            MICRO_FN;                                                                                    \
+        }
 
 /* w [O, K] row-major -> wp [Op / 16][K][16], Op a multiple of 32 >= O; rows O..Op-1 are zero. */
 void spin_gemm_pack(const float *w, float *wp, int64_t O, int64_t K, int64_t Op) {
@@ -109,13 +128,13 @@ void spin_gemm_pack(const float *w, float *wp, int64_t O, int64_t K, int64_t Op)
 
 /* y [M, Op] = x [M, K] @ w^T, w packed by spin_gemm_pack. */
 void spin_gemm(const float *x, const float *wp, float *y, int64_t M, int64_t Op, int64_t K) {
-    int64_t units = Op / UNIT;
+    if (K == 0) {
+        for (int64_t i = 0; i < M * Op; i++) y[i] = 0.0f;
+        return;
+    }
 #pragma omp parallel for schedule(static)
-    for (int64_t u = 0; u < units; u++)
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            int64_t r = M - m0 < MR ? M - m0 : MR;
-            MICROS[r](x + m0 * K, wp, y + m0 * Op, K, Op, u);
-        }
+    for (int64_t u = 0; u < Op / UNIT; u++)
+        FOR_BLOCKS(M, K, MICROS[r](x + m0 * K, wp, y + m0 * Op + UNIT * u, Op, K, k0, k1, u))
 }
 
 static inline uint16_t to_bf16(float f);
@@ -176,45 +195,30 @@ static inline float bf16_to_float(uint16_t h) {
 #define BF16_PAIRS 0
 
 static inline vw widen(hw h) { return (vw)(__builtin_convertvector(h, uw) << 16); }
-
-#define MICRO_BF16(R)                                                                                    \
-    static void microb_##R(const uint16_t *x, const uint16_t *wp, uint16_t *y, int64_t K, int64_t O,      \
-                           int64_t u) {                                                                  \
-        vw a0[R], a1[R];                                                                                 \
-        for (int m = 0; m < R; m++) a0[m] = a1[m] = (vw){0};                                             \
-        for (int64_t k = 0; k < K; k++) {                                                                \
-            __builtin_prefetch(wp + unit_at(u, K, k + PF, 0), 0, 3);                                     \
-            if (VW == 16) __builtin_prefetch(wp + unit_at(u, K, k + PF, 1), 0, 3);                       \
-            vw w0 = widen(*(const hw *)(wp + unit_at(u, K, k, 0)));                                      \
-            vw w1 = widen(*(const hw *)(wp + unit_at(u, K, k, 1)));                                      \
-            for (int m = 0; m < R; m++) {                                                                \
-                float s = bf16_to_float(x[m * K + k]);                                                   \
-                a0[m] += s * w0;                                                                         \
-                a1[m] += s * w1;                                                                         \
-            }                                                                                            \
-        }                                                                                                \
-        for (int m = 0; m < R; m++)                                                                      \
-            for (int j = 0; j < VW; j++) {                                                               \
-                y[m * O + UNIT * u + j] = to_bf16(a0[m][j]);                                             \
-                y[m * O + UNIT * u + VW + j] = to_bf16(a1[m][j]);                                        \
-            }                                                                                            \
-    }
+#define LOAD_BF16(p) widen(*(const hw *)(p))
+#define MICRO_BF16(R) MICRO_T(microb, R, uint16_t, uint16_t, LOAD_BF16, bf16_to_float)
 #endif
 
-MICRO_BF16(1) MICRO_BF16(2) MICRO_BF16(3) MICRO_BF16(4) MICRO_BF16(5) MICRO_BF16(6)
-#if MR > 6 || BF16_PAIRS
-MICRO_BF16(7) MICRO_BF16(8) MICRO_BF16(9) MICRO_BF16(10) MICRO_BF16(11) MICRO_BF16(12)
-#define MRB 12
-#else
-#define MRB MR
-#endif
-
+#if BF16_PAIRS
+MICRO_BF16(1) MICRO_BF16(2) MICRO_BF16(3) MICRO_BF16(4) MICRO_BF16(5) MICRO_BF16(6) MICRO_BF16(7) MICRO_BF16(8)
+MICRO_BF16(9) MICRO_BF16(10) MICRO_BF16(11) MICRO_BF16(12)
 typedef void (*microb_t)(const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t);
-static const microb_t MICROS_BF16[MRB + 1] = {0, microb_1, microb_2, microb_3, microb_4, microb_5, microb_6,
-#if MRB > 6
-                                              microb_7, microb_8, microb_9, microb_10, microb_11, microb_12
+static const microb_t MICROS_BF16[13] = {0,        microb_1, microb_2, microb_3,  microb_4,  microb_5, microb_6,
+                                         microb_7, microb_8, microb_9, microb_10, microb_11, microb_12};
+#else
+MICRO_BF16(1) MICRO_BF16(2) MICRO_BF16(3)
+#if MR > 3
+MICRO_BF16(4) MICRO_BF16(5) MICRO_BF16(6) MICRO_BF16(7) MICRO_BF16(8) MICRO_BF16(9) MICRO_BF16(10) MICRO_BF16(11)
+MICRO_BF16(12)
+#endif
+typedef void (*microb_t)(const uint16_t *, const uint16_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t);
+static const microb_t MICROS_BF16[MR + 1] = {0, microb_1, microb_2, microb_3,
+#if MR > 3
+                                             microb_4, microb_5, microb_6, microb_7, microb_8, microb_9, microb_10,
+                                             microb_11, microb_12
 #endif
 };
+#endif
 
 /* 1: this build has a bfloat16 GEMM (every build now: vdpbf16ps where the CPU has it, else widening). */
 int spin_gemm_bf16_ok(void) { return 1; }
@@ -224,13 +228,24 @@ int spin_gemm_bf16_native(void) { return BF16_PAIRS; }
 
 /* y [M, Op] = x [M, K] @ w^T, all bfloat16 (as uint16), w packed by spin_gemm_pack_bf16. */
 void spin_gemm_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *y, int64_t M, int64_t Op, int64_t K) {
-    int64_t units = Op / 32 * (BF16_PAIRS ? 1 : 32 / UNIT);
+    if (M == 0) return;
+#if BF16_PAIRS
 #pragma omp parallel for schedule(static)
-    for (int64_t u = 0; u < units; u++)
-        for (int64_t m0 = 0; m0 < M; m0 += MRB) {
-            int64_t r = M - m0 < MRB ? M - m0 : MRB;
+    for (int64_t u = 0; u < Op / 32; u++)
+        for (int64_t m0 = 0; m0 < M; m0 += 12) {
+            int64_t r = M - m0 < 12 ? M - m0 : 12;
             MICROS_BF16[r](x + m0 * K, wp, y + m0 * Op, K, Op, u);
         }
+#else
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < Op / UNIT; u++) {
+        float acc[M * UNIT]; /* the unit's float32 sums, rounded to bfloat16 once at the end */
+        for (int64_t i = 0; K == 0 && i < M * UNIT; i++) acc[i] = 0.0f;
+        FOR_BLOCKS(M, K, MICROS_BF16[r](x + m0 * K, wp, acc + m0 * UNIT, UNIT, K, k0, k1, u))
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < UNIT; j++) y[m * Op + UNIT * u + j] = to_bf16(acc[m * UNIT + j]);
+    }
+#endif
 }
 
 /* w [O, K] bfloat16 row-major -> the layout above, Op a multiple of 32 >= O, K even. */

@@ -27,7 +27,7 @@ static uint16_t bf(float f) { return to_bf16(f); }
 static float unbf(uint16_t h) { return bf16_to_float(h); }
 
 static void gemm_f32(void) {
-    enum { M = 13, O = 100, K = 70, OP = 128 };
+    enum { M = 13, O = 100, K = 300, OP = 128 }; /* K spans three of the GEMM's k-blocks */
     static float w[O * K], wp[OP * K], x[M * K], y[M * OP], y1[OP];
     for (int i = 0; i < O * K; i++) w[i] = rnd();
     for (int i = 0; i < M * K; i++) x[i] = rnd();
@@ -49,7 +49,7 @@ static void gemm_f32(void) {
 }
 
 static void gemm_bf16(void) {
-    enum { M = 13, O = 100, K = 70, OP = 128 };
+    enum { M = 13, O = 100, K = 300, OP = 128 }; /* K spans three of the GEMM's k-blocks */
     static uint16_t w[O * K], wp[OP * K], x[M * K], y[M * OP], y1[OP];
     for (int i = 0; i < O * K; i++) w[i] = bf(rnd());
     for (int i = 0; i < M * K; i++) x[i] = bf(rnd());
