@@ -4,18 +4,20 @@
  *
  * y = x @ w^T for the decode loop's batch sizes.
  *
- * w is stored in panels of 16 output rows, k-major inside a panel: wp[o / 16][k][o % 16]. One call
- * streams every panel once. A micro-kernel takes a unit of two vectors of outputs (with AVX-512: two
- * panels, 32 outputs, one zmm each; elsewhere: one panel, 16 outputs, two 8-float vectors) and up to
- * MR rows of x, broadcasts x[m, k] and adds it times the unit's k-th vectors into 2 x MR accumulators,
- * so a weight is read from memory once per call for any M <= MR and from cache per further MR rows.
- * MR fills the register file: 24 of the 32 zmm registers with AVX-512 (MR 12), 12 of the 16 ymm
- * registers with AVX2 (MR 6, the usual 6x16 block), 24 of the 32 q registers on NEON.
+ * w is stored in panels of 16 output rows, k-major inside a panel: wp[o / 16][k][o % 16]. A micro-kernel
+ * takes a unit of two panels (32 outputs: NV = 2 zmm with AVX-512, 4 ymm with AVX2, 4 NEON register pairs)
+ * and up to MR rows of x, broadcasts x[m, k] and adds it times the unit's k-th vectors into NV x MR
+ * accumulators. MR fills the register file: 24 of the 32 zmm registers with AVX-512 (MR 12), 12 of the
+ * 16 ymm registers with AVX2 (MR 3). Two panels a unit keep two weight runs streaming per thread: one
+ * panel a unit (the 6x16 block) left the AVX2 build at 20 GB/s where two panels reach 27.
  *
- * Each output y[m, o] is the sum over k, in order, of x[m, k] * w[o, k] in a single vector lane: no
- * blocking over k and no horizontal sum. So a row's result does not depend on M or on which other
- * rows share the call: a decode step (M = 1) and a verify run (M = 1 + gamma) give bitwise the same
- * outputs for the same input row. Units are split across OpenMP threads (the runtime torch loaded).
+ * A call walks K in blocks of KB steps; in each block every group of MR rows passes over the unit's
+ * block of weights while it sits in L1, so the weights stream from memory once for any M. A row's
+ * accumulators are stored and reloaded between blocks exactly: each output y[m, o] is the sum over k, in
+ * order, of x[m, k] * w[o, k] in a single vector lane, with no horizontal sum. So a row's result does not
+ * depend on M or on which other rows share the call: a decode step (M = 1) and a verify run (M = 1 +
+ * gamma) give bitwise the same outputs for the same input row. Units are split across OpenMP threads
+ * (the runtime torch loaded).
  *
  * The unit's weights are software-prefetched PF k-steps ahead, so the weight stream and the
  * multiply-adds overlap: without it each extra row cost its full compute time on top of the memory time.

@@ -4,7 +4,8 @@ What it holds, and why:
 - Panel GEMMs in float32 and bfloat16 at the loop's batch sizes (1 to a few dozen rows), where oneDNN's
   prepacked GEMM streams the weights well below memory speed and costs tens of microseconds a call
   before it reads any. The micro-kernel is written for the build's register width: 12 rows x 32
-  outputs with AVX-512, the 6 x 16 block with AVX2 (and NEON). The bfloat16 GEMM uses AVX512-BF16's dot
+  outputs with AVX-512, 3 rows x 32 outputs with AVX2 (and NEON), K walked in blocks so the
+  weights stream once for any number of rows. The bfloat16 GEMM uses AVX512-BF16's dot
   products where the CPU has them, else widens the weights to float32 exactly.
 - The RMS norm of the float32 residual stream, in one call.
 - Attention over the per-slot KV cache, with the KV write.
