@@ -455,14 +455,17 @@ def _jsonl_lines(path: Path, handle, max_line_bytes: int) -> Iterator[tuple[int,
         lineno += 1
 
 
+def _open_binary(path: Path):
+    try:
+        return open(path, "rb")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot open: {exc.strerror or exc}") from exc
+
+
 def _iter_jsonl(path: Path, cols: _Columns, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[_Row]:
     """Yield one row per non-blank line; the row index is the 0-based line number (blank lines
     are skipped, but counted). A line over ``max_line_bytes`` becomes an error row."""
-    try:
-        handle = open(path, "rb")
-    except OSError as exc:
-        raise InputError(f"{path}: cannot open: {exc.strerror or exc}") from exc
-    with handle:
+    with _open_binary(path) as handle:
         for lineno, raw in _jsonl_lines(path, handle, max_line_bytes):
             if isinstance(raw, int):
                 yield _bad_row(f"{path}#{lineno}", "line too long",
@@ -719,11 +722,7 @@ def _jsonl_fields(path: Path, rows: int, max_line_bytes: int) -> tuple[set[str],
     and how many objects there were (lines that are no JSON object are passed over)."""
     names: set[str] = set()
     seen = 0
-    try:
-        handle = open(path, "rb")
-    except OSError as exc:
-        raise InputError(f"{path}: cannot open: {exc.strerror or exc}") from exc
-    with handle:
+    with _open_binary(path) as handle:
         for lineno, raw in _jsonl_lines(path, handle, max_line_bytes):
             if isinstance(raw, int) or not raw.strip():
                 continue
