@@ -348,7 +348,7 @@ def env(job_path, overrides):
     if job_path is None:
         return
     from .models import loader
-    from .models.draft import draft_meta
+    from .models.distilled import draft_meta
 
     job = _load(job_path, overrides)
     device = loader.resolve_device(job.target.device)

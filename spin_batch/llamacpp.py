@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .cachedir import cache_root, cached_file
 from .models import loader
 
 FORMATS = ("f32", "f16", "source")
@@ -59,7 +60,7 @@ def reencoded(src: Path, fmt: str) -> Path:
         return src
     if fmt not in FORMATS:
         raise ValueError(f"unknown llama.cpp format {fmt!r}; choose from {', '.join(FORMATS)}")
-    return loader.cached_file(loader.cache_root() / "gguf" / f"{src.stem}.{fmt}.gguf",
+    return cached_file(cache_root() / "gguf" / f"{src.stem}.{fmt}.gguf",
                               lambda tmp: _reencode(src, tmp, fmt))
 
 

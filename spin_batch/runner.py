@@ -39,7 +39,7 @@ from .io.reader import (InputError, Request, assign, check_columns, check_input,
 from .io.writer import (OutputWriter, StatsWriter, cleanup_temp, drop_superseded, make_run_id, read_done,
                         write_json_atomic)
 from .models import cpu_plan, loader
-from .models.draft import TargetFeatures, check_pairing, draft_meta, load_draft
+from .models.distilled import TargetFeatures, check_pairing, draft_meta, load_draft
 from .models.llama import LlamaModel, window_problem
 from .stats import RunStats
 

@@ -16,7 +16,7 @@ from spin_batch.distill.train import agreement
 from spin_batch.drafters.base import DraftRequest
 from spin_batch.drafters.model import ModelDrafter
 from spin_batch.engine.sampling import SamplingParams, make_generator
-from spin_batch.models.draft import DRAFT_KEY, check_pairing, fingerprint, load_draft
+from spin_batch.models.distilled import DRAFT_KEY, check_pairing, fingerprint, load_draft
 from spin_batch.models.loader import load_model, load_tokenizer
 from spin_batch.models.segments import Segments
 from spin_batch.runner import check_models, run_job

@@ -193,7 +193,7 @@ def test_weight_files_are_those_transformers_reads(tmp_path, pristine):
 def fresh_draft(tmp_path_factory, tiny_dir) -> Path:
     """An untrained distilled draft of the tiny target, written as `spin-batch distill` writes one."""
     from spin_batch.distill.net import DraftArch, DraftNet, save_draft
-    from spin_batch.models.draft import fingerprint
+    from spin_batch.models.distilled import fingerprint
 
     target = loader.load_model(tiny_dir)
     net = DraftNet(DraftArch(layers=1, hidden=64, heads=1, kv_heads=1, intermediate=96), target.embed, target.norm,
@@ -207,7 +207,7 @@ def test_distilled_drafts_follow_their_own_rule(tmp_path, tiny_dir, fresh_draft)
     """A distilled draft has no embeddings nor lm_head (it reads the target's): it validates and loads; one
     with a tensor load_draft would not read is refused at validate and at load; one as the target is refused;
     one without tokenizer files is fine (it uses the target's tokenizer)."""
-    from spin_batch.models.draft import load_draft
+    from spin_batch.models.distilled import load_draft
 
     target = loader.load_model(tiny_dir)
     assert loader.check_model_ref(str(fresh_draft)) == []

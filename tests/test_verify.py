@@ -110,7 +110,7 @@ def test_speculative_sampling_reproduces_target_distribution(sp):
 
 
 def test_subset_head_draft_is_lossless():
-    """A distilled draft's q is zero outside its kept ids (models/draft.py): still lossless."""
+    """A distilled draft's q is zero outside its kept ids (models/distilled.py): still lossless."""
     p_logits, q_probs = _problem()
     sp = SamplingParams(1.0)
     kept = torch.zeros(V, dtype=torch.bool)

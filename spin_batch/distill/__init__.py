@@ -6,7 +6,7 @@
     vocab     the K target ids with the most teacher mass: the drafts' output head
     train     one draft per size, by KL distillation (seeded: the same inputs give the same draft)
     measure   held-out top-1 agreement by prompt kind; cost per drafted token vs a target step
-Each draft is written as DIR/<LxW>/ (see models/draft.py) and loads as a `model` drafter.
+Each draft is written as DIR/<LxW>/ (see models/distilled.py) and loads as a `model` drafter.
 DIR/report.json and DIR/report.md hold the measurements.
 """
 
@@ -25,7 +25,7 @@ import torch
 
 from ..io.writer import write_json_atomic
 from ..models import cpu_gemm, loader
-from ..models.draft import fingerprint, load_draft
+from ..models.distilled import fingerprint, load_draft
 from .data import TeacherData, data_key, generation_job, score, sequences
 from .net import DraftArch, save_draft
 from .train import TrainSettings, agreement, choose_vocab, step_time, train_draft

@@ -1,7 +1,7 @@
 """The trainable draft: a small Llama decoder on the target's frozen embeddings, with a subset head.
 
 DraftNet is the training-time form (autograd, whole sequences, causal SDPA). save_draft writes
-it in the format of models/draft.py, which loads into the inference LlamaModel; the two compute
+it in the format of models/distilled.py, which loads into the inference LlamaModel; the two compute
 the same function (tests/test_distill.py checks the logits agree).
 """
 
@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..models.draft import DRAFT_KEY
+from ..models.distilled import DRAFT_KEY
 from ..models.llama import ModelSpec, rope_inv_freq
 
 HEAD_DIM = 64

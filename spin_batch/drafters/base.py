@@ -35,7 +35,7 @@ class Drafter(ABC):
 
     kind: str = ""
     gates = False  # honours DraftRequest.min_prob (a drafter that knows its own distribution)
-    # A models.draft.TargetFeatures the loop fills at every target forward, for drafters that read
+    # A models.distilled.TargetFeatures the loop fills at every target forward, for drafters that read
     # the target's hidden states; None for the others.
     features = None
 

@@ -12,7 +12,7 @@ import torch
 
 from ..engine.sampling import SamplingParams, probs_from_logits, sample
 from ..models.cache import KVCache
-from ..models.draft import TargetFeatures
+from ..models.distilled import TargetFeatures
 from ..models.llama import LlamaModel
 from ..models.segments import Segments
 from .base import Drafter, DraftRequest, Proposal

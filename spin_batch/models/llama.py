@@ -106,7 +106,7 @@ def window_problem(spec: ModelSpec, max_len: int) -> str | None:
 
 # -- which checkpoint tensors the decoder reads ------------------------------------------------
 #
-# One rule, used where a checkpoint loads (LlamaModel.from_state_dict, models/draft.py's load_draft)
+# One rule, used where a checkpoint loads (LlamaModel.from_state_dict, models/distilled.py's load_draft)
 # and where `validate` reads only the safetensors headers (loader.check_model_ref): every tensor of the
 # checkpoint is read, and every tensor read is there. A tensor we would not read (a q_norm, an
 # unexpected bias, quantization scales) means an architecture we do not run: its text would be wrong.
@@ -482,7 +482,7 @@ class LlamaModel:
         self.embed = embed
         self.embed_proj = None if embed_proj is None else Linear(embed_proj)
         self.vocab_ids = vocab_ids
-        self.feature_head = None  # a FeatureHead (models/draft.py) for drafts that read target features
+        self.feature_head = None  # a FeatureHead (models/distilled.py) for drafts that read target features
         # The residual stream and the RMS norms run in float32 whatever the weights' dtype: in
         # bf16/fp16 that is both more accurate and cheaper on CPU (one cast per norm instead of
         # a round trip through float32 inside it). In float32 nothing changes.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..cachedir import cache_root, cached_file, file_lock  # noqa: F401 (cached_file: re-exported)
+from ..cachedir import cache_root, file_lock
 from . import cpu_plan
 from .llama import CheckpointError, LlamaModel, ModelSpec, expected_tensors, tensor_problem
 
@@ -95,7 +95,7 @@ def check_model_ref(spec: str) -> list[str]:
 def checkpoint_rule(model_dir: Path, spec: ModelSpec, names) -> set[str]:
     """The tensors a model folder's checkpoint must hold: a distilled draft's (draft.draft_tensors, read by
     load_draft) or a model's (llama.expected_tensors, read by LlamaModel.from_state_dict)."""
-    from .draft import draft_meta, draft_tensors
+    from .distilled import draft_meta, draft_tensors
 
     return draft_tensors(spec) if draft_meta(model_dir) is not None else expected_tensors(spec, names)
 
