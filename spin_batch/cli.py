@@ -1,4 +1,4 @@
-"""The `spin-batch` command line: run, validate, bench, report, distill, models, env."""
+"""The `spin-batch` command line: run, validate, bench, report, export, distill, models, env."""
 
 from __future__ import annotations
 
@@ -191,6 +191,29 @@ def report(out_dir, png):
     path = r.plot(info, png)
     if path:
         click.echo(f"plot: {path}", err=True)
+
+
+@main.command()
+@click.argument("out_dir", metavar="OUTPUT_DIR", type=click.Path(file_okay=False))
+@click.option("--to", "dest", required=True, metavar="FILE.parquet|FILE.jsonl",
+              help="The merged file; its extension (.parquet, .jsonl or .ndjson) picks the format.")
+@click.option("--no-errors", is_flag=True, help="Leave out the error rows.")
+def export(out_dir, dest, no_errors):
+    """Merge every worker's output parts into one file, in input order.
+
+    \b
+    One row per input row (source): where a row was retried, the latest
+    row counts. Rows are ordered by shard path, then row index. The file
+    is written under a temporary name and renamed into place.
+    """
+    from .export import ExportError
+    from .export import export as do_export
+
+    try:
+        n = do_export(out_dir, dest, errors=not no_errors)
+    except ExportError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"spin-batch: {n} rows written to {dest}", err=True)
 
 
 @main.command()
