@@ -53,19 +53,32 @@ def make_generator(job_seed: int, request_id: str) -> torch.Generator:
 
 
 def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
-    """One draw from a [V] distribution (non-negative, not necessarily normalised): the CDF, summed in
-    float64, inverted at one uniform.
+    """One draw from a [V] distribution (non-negative, not necessarily normalised) by inverse_cdf.
 
     torch.multinomial cost far more per call on a large vocabulary and made sampled decoding much
-    slower than greedy (the timings are in BENCHMARKS.md, "sampling by CDF inversion"). Exact: the
-    token is the first i with cdf[i] > u * cdf[-1], so a token of probability 0 (cdf[i] == cdf[i - 1])
-    is never drawn.
+    slower than greedy (the timings are in BENCHMARKS.md, "sampling by CDF inversion").
     """
-    cdf = probs.double().cumsum(0)
-    u = torch.rand((), generator=gen, dtype=torch.float64).to(cdf.device)
+    return inverse_cdf(probs, uniform64(gen))
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor | float) -> int:
+    """The token at uniform u of a [V] distribution (non-negative, not necessarily normalised).
+
+    The CDF is summed in float64 and inverted: the token is the first i with cdf[i] > u * cdf[-1], so
+    a token of weight 0 (cdf[i] == cdf[i - 1]) is never drawn; where rounding leaves no such i, the
+    last token with weight.
+    """
+    cdf = weights.double().cumsum(0)
+    u = torch.as_tensor(u, dtype=torch.float64).to(cdf.device)
     i = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True))
-    return i if i < cdf.shape[0] else int(torch.nonzero(probs).max())  # u * total rounded up to total
+    return i if i < cdf.shape[0] else int(torch.nonzero(weights).max())  # u * total rounded up to total
 
 
 def uniform(gen: torch.Generator) -> float:
+    """A float32 uniform on [0, 1) from the request's stream (the accept tests)."""
     return float(torch.rand((), generator=gen).item())
+
+
+def uniform64(gen: torch.Generator) -> torch.Tensor:
+    """A float64 uniform on [0, 1) from the request's stream (the draws of a token)."""
+    return torch.rand((), generator=gen, dtype=torch.float64)
