@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from datetime import datetime, timezone
 from pathlib import Path
 
 from .io.writer import read_outputs, read_stats
@@ -13,7 +14,7 @@ from .io.writer import read_outputs, read_stats
 def load(out_dir: Path) -> dict:
     """Everything the report shows, from outputs, stats parts and summaries (any may be missing)."""
     outputs = read_outputs(out_dir)
-    stats = read_stats(out_dir)
+    stats = read_stats(out_dir, parts=True)
     summaries = [json.loads(p.read_text()) for p in sorted(out_dir.glob("summary*.json"))]
     rows = outputs.height
     status = dict(outputs.group_by("status").len().iter_rows()) if rows else {}
@@ -71,6 +72,49 @@ def text_table(info: dict) -> str:
     return "\n".join(lines)
 
 
+def _run_start(run_id: str) -> float | None:
+    """The UTC start time (epoch seconds) a run id begins with (``20250101T120000123456_3fa9c2``)."""
+    try:
+        return datetime.strptime(run_id.split("_")[0], "%Y%m%dT%H%M%S%f").replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return None
+
+
+def timelines(stats) -> tuple[dict[str, tuple[list[float], list[float]]], str]:
+    """``({worker: (elapsed times, tokens/s)}, unit)``: each stats interval at its end time, counted from
+    the start of the earliest interval of any worker, in seconds or (past ten minutes) minutes; the runs
+    of one worker are one line with a gap (NaN) between them. An interval's time is its ``wall_time``,
+    or for stats written before there was one, its run's start (from the run id) plus its ``time_s``."""
+    cols = stats.columns
+    points: dict[str, dict[str, list[tuple[float, float, float]]]] = defaultdict(lambda: defaultdict(list))
+    for rec in stats.iter_rows(named=True):
+        run_id = rec.get("run_id") or ""
+        t = rec.get("wall_time") if "wall_time" in cols else None
+        if t is None:
+            start = _run_start(run_id)
+            t = (start or 0.0) + float(rec.get("time_s") or 0.0)
+        dt = float(rec.get("interval_s") or 0.0)
+        points[rec.get("worker") or "w0000"][run_id].append((float(t), dt, float(rec.get("tokens_per_s") or 0.0)))
+    if not points:
+        return {}, "s"
+    t0 = min(t - dt for runs in points.values() for run in runs.values() for t, dt, _ in run)
+    t1 = max(t for runs in points.values() for run in runs.values() for t, _, _ in run)
+    unit, scale = ("min", 60.0) if t1 - t0 > 600 else ("s", 1.0)
+    lines = {}
+    for worker in sorted(points):
+        xs: list[float] = []
+        ys: list[float] = []
+        for run in sorted(points[worker].values(), key=lambda r: min(p[0] for p in r)):
+            if xs:
+                xs.append(float("nan"))
+                ys.append(float("nan"))
+            for t, _, tps in sorted(run):
+                xs.append((t - t0) / scale)
+                ys.append(tps)
+        lines[worker] = (xs, ys)
+    return lines, unit
+
+
 def plot(info: dict, path: Path) -> Path | None:
     try:
         import matplotlib
@@ -82,10 +126,15 @@ def plot(info: dict, path: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     stats = info["stats"]
+    unit = "s"
     if stats.height and "tokens_per_s" in stats.columns:
-        axes[0].plot(range(stats.height), stats["tokens_per_s"].to_list(), marker=".")
+        lines, unit = timelines(stats)
+        for worker, (xs, ys) in lines.items():
+            axes[0].plot(xs, ys, marker=".", label=worker)
+        if len(lines) > 1:
+            axes[0].legend(title="worker", fontsize=8)
     axes[0].set_title("Throughput per stats interval")
-    axes[0].set_xlabel("interval")
+    axes[0].set_xlabel(f"elapsed time ({'minutes' if unit == 'min' else 'seconds'} since the first interval began)")
     axes[0].set_ylabel("generated tokens/s")
     names = sorted(n for n, d in info["drafters"].items() if d.get("drafted"))
     axes[1].bar(names, [(info["drafters"][n]["accepted"] + info["drafters"][n].get("spec_steps", 0))

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -34,8 +35,8 @@ from .engine.loop import BatchLoop, LoopSettings
 from .engine.policy import make_policy
 from .engine.sampling import SamplingParams
 from .fingerprint import check_fingerprint
-from .io.reader import (InputError, Request, assign, check_columns, check_input, iter_requests, list_shards,
-                        shard_defaults_from_env)
+from .io.reader import (InputError, Request, _file_format, _jsonl_lines, _open_binary, assign, check_columns,
+                        check_input, iter_requests, list_shards, shard_defaults_from_env)
 from .io.writer import (OutputWriter, StatsWriter, cleanup_temp, drop_superseded, make_run_id, read_done,
                         write_json_atomic)
 from .models import cpu_plan, loader
@@ -397,6 +398,8 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
     def count_skip(_req: Request) -> None:
         nonlocal skipped
         skipped += 1
+        if not upfront:
+            bar.update(1)
 
     requests = iter_requests(
         shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
@@ -406,11 +409,22 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
     writer = OutputWriter(out, worker=worker, run_id=run_id, rows_per_part=job.output.rows_per_part,
                           flush_interval_s=job.output.flush_interval_s)
     stats_writer = StatsWriter(out, worker=worker, run_id=run_id)
-    bar = _progress(progress, limit, len(done_sources))
+    # this worker's rows, and how many of them earlier runs wrote (not the other workers' rows)
+    total, done_mine = worker_rows(shards, shard_index, num_shards, done_sources, job.input.max_line_bytes)
+    if limit is not None:
+        total = limit if total is None else min(total, limit)
+    upfront = done_mine is not None and limit is None  # else the bar counts skipped rows as they are passed
+    tty = sys.stderr.isatty()
+    log_lines = not (progress and tty)  # a log file (Slurm, cron) gets one timestamped line an interval
+    bar = _progress(progress and tty, total, done_mine if upfront else 0)
+    worker_text = f"{shard_index}/{num_shards}"
+    _log(start_line(job, engine, worker_text, done_mine, total))
     last_interval = [time.monotonic()]
+    emitted = [0]
 
     def emit(row: dict) -> None:
         writer.add(row)
+        emitted[0] += 1
         bar.update(1)
 
     def after_step() -> None:
@@ -418,8 +432,15 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
         now = time.monotonic()
         bar.set_postfix_str(f"{stats.tokens_per_s():.1f} tok/s, {len(engine.loop.active)} active", refresh=False)
         if now - last_interval[0] >= job.output.stats_interval_s:
-            stats_writer.add(stats.interval_record())
+            record = stats.interval_record()
+            record["wall_time"] = time.time()  # for report.png's time axis, across runs and workers
+            stats_writer.add(record)
             last_interval[0] = now
+            if log_lines:
+                done_now = emitted[0] + (done_mine if upfront else skipped)
+                _log(f"spin-batch: worker {worker_text}: rows {done_now}/{'?' if total is None else total} "
+                     f"({emitted[0]} this run), {int(stats.totals['generated_tokens'])} tokens, "
+                     f"{record['tokens_per_s']:.1f} tok/s, {len(engine.loop.active)}/{job.batch.slots} slots active")
 
     try:
         encode = make_encoder(engine.tokenizer, job)
@@ -427,7 +448,7 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
         engine.loop.run(requests, encode, emit, stop, after_step)
     finally:
         writer.close()
-        stats_writer.add(stats.interval_record())
+        stats_writer.add({**stats.interval_record(), "wall_time": time.time()})
         stats_writer.close()
         bar.close()
     if retry_errors:
@@ -487,10 +508,76 @@ class RunLock:
             self.fd = None
 
 
-def _progress(enabled: bool, limit: int | None, already: int):
+def _progress(enabled: bool, total: int | None, already: int):
+    """This worker's bar: ``total`` its rows (None where not cheap to know), ``already`` those of them
+    earlier runs wrote. Off in a log file (Slurm, cron): there the interval lines take its place."""
     from tqdm import tqdm
 
-    # Into a log file (Slurm, cron) a bar redrawn ten times a second is noise: there it redraws once a minute.
-    tty = sys.stderr.isatty()
-    return tqdm(total=limit, initial=0, unit="row", desc="spin-batch", disable=not enabled, dynamic_ncols=tty,
-                mininterval=0.1 if tty else 60.0, postfix=f"{already} done earlier" if already else None)
+    return tqdm(total=total, initial=already, unit="row", desc="spin-batch", disable=not enabled,
+                dynamic_ncols=True, mininterval=0.1, postfix=f"{already} done earlier" if already else None)
+
+
+def _log(line: str) -> None:
+    """One line on stderr, with a UTC ISO timestamp first."""
+    print(f"{datetime.now(timezone.utc):%Y-%m-%dT%H:%M:%SZ} {line}", file=sys.stderr, flush=True)
+
+
+def start_line(job: JobConfig, engine: Engine, worker: str, done: int | None, total: int | None) -> str:
+    """What a log needs to tell runs apart: model, dtype, device, the target's CPU path, slots, worker."""
+    target = engine.target
+    plan = getattr(target, "plan", None)
+    path = f"layers={plan.layers} lm_head={plan.lm_head}" if plan is not None else "path=?"
+    dtype = str(getattr(target, "dtype", job.target.dtype)).removeprefix("torch.")
+    return (f"spin-batch: start model={job.target.model} dtype={dtype} "
+            f"device={getattr(target, 'device', job.target.device)} {path} "
+            f"slots={job.batch.slots} worker={worker} rows_done={'?' if done is None else done} "
+            f"rows={'?' if total is None else total}")
+
+
+JSONL_COUNT_BYTES = 256 << 20  # this worker's JSONL input up to this size is counted for the bar's total
+
+
+def worker_rows(shards: list[Path], shard_index: int, num_shards: int, done_sources, max_line_bytes: int,
+                jsonl_budget: int = JSONL_COUNT_BYTES) -> tuple[int | None, int | None]:
+    """``(rows, done)``: how many input rows are this worker's, and how many of them ``done_sources``
+    holds; None where it is not cheap to know (JSONL past ``jsonl_budget`` bytes, a file that cannot be
+    read: the run reports that when it gets there). Parquet rows come from the file metadata; JSONL rows
+    are counted as the reader yields them (a non-blank line, or one over max_line_bytes, is a row)."""
+    files, modulo = assign(shards, shard_index, num_shards)
+    done = None
+    if modulo is None:  # whole files: their rows' sources start with their paths
+        names = {str(Path(p).resolve()) for p in files}
+        done = sum(1 for s in done_sources if s.rpartition("#")[0] in names)
+    try:
+        if sum(Path(p).stat().st_size for p in files if _file_format(Path(p)) != "parquet") > jsonl_budget:
+            return None, done
+        total = done_modulo = global_row = 0
+        for p in files:
+            path = Path(p).resolve()
+            if modulo is None and _file_format(path) == "parquet":
+                import pyarrow.parquet as pq
+
+                total += pq.ParquetFile(path).metadata.num_rows
+                continue
+            for i in _row_indices(path, max_line_bytes):
+                if modulo is None or global_row % modulo == shard_index:
+                    total += 1
+                    if modulo is not None:
+                        done_modulo += f"{path}#{i}" in done_sources
+                global_row += 1
+    except Exception:  # noqa: BLE001  an unreadable file is the run's to report, when it gets there
+        return None, done
+    return total, done if modulo is None else done_modulo
+
+
+def _row_indices(path: Path, max_line_bytes: int):
+    """The row indices (the part of a source after '#') of a shard's rows, in order."""
+    if _file_format(path) == "parquet":
+        import pyarrow.parquet as pq
+
+        yield from range(pq.ParquetFile(path).metadata.num_rows)
+        return
+    with _open_binary(path) as handle:
+        for i, raw in _jsonl_lines(path, handle, max_line_bytes):
+            if isinstance(raw, int) or raw.strip():
+                yield i

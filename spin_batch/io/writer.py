@@ -613,15 +613,22 @@ class StatsWriter:
         self.close()
 
 
-def read_stats(out_dir: str | Path, *, warn: Callable[[str], None] = _warn) -> polars.DataFrame:
+def read_stats(out_dir: str | Path, *, warn: Callable[[str], None] = _warn,
+               parts: bool = False) -> polars.DataFrame:
     """All stats parts concatenated diagonally (missing columns are null; empty frame if none). A part
-    that cannot be read is left out, with a line through ``warn`` (nothing reruns a stats interval)."""
+    that cannot be read is left out, with a line through ``warn`` (nothing reruns a stats interval).
+    With ``parts``, each row also gets its part's ``worker`` and ``run_id`` (from the file name)."""
     import polars as pl
 
     frames = []
     for path in _part_files(Path(out_dir) / STATS_DIR, "stats"):
         try:
-            frames.append(pl.from_arrow(pq.read_table(path)))
+            frame = pl.from_arrow(pq.read_table(path))
+            if parts:
+                pieces = path.name.removesuffix(".parquet").split("-")
+                worker, run_id = (pieces[1], pieces[2]) if len(pieces) == 4 else ("", "")
+                frame = frame.with_columns(worker=pl.lit(worker), run_id=pl.lit(run_id))
+            frames.append(frame)
         except FileNotFoundError:
             continue
         except (OSError, pa.ArrowException) as exc:
