@@ -1,4 +1,5 @@
-"""Triton kernels for the hot stages, each with a torch reference (`*_ref`)."""
+"""Triton kernels for the hot stages, each with a torch reference (`*_ref`; accept's is
+spin_batch.engine.verify.accept_ref, the rule the torch path runs)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,12 @@ import os
 import torch
 
 from ._triton import HAVE_TRITON
-from .accept import accept, accept_ref
+from .accept import accept
 from .kv_write import kv_write, kv_write_ref
 from .varlen_attention import varlen_attention, varlen_attention_ref
 
 __all__ = [
     "accept",
-    "accept_ref",
     "kv_write",
     "kv_write_ref",
     "triton_available",

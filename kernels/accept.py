@@ -4,23 +4,16 @@ Layout (as in spin_batch.engine.verify): the drafts of all S segments are one fl
 draft_tokens [T] with draft_offsets [S+1]; segment s has gamma_s = draft_offsets[s+1] -
 draft_offsets[s] drafts (0 allowed) and gamma_s + 1 target rows starting at row_offsets[s].
 
-Greedy (temperature == 0): accepted = the longest draft prefix equal to the rows' argmax
-(first index on ties, as torch.argmax); next_token = the argmax of row `accepted`. Identical
-to verify.accept_greedy; no randoms are used.
-
-Sampling (temperature > 0): p = softmax(logits / temperature) per row, in fp32. Draft i is
-accepted when q_i[x] > 0 and u[i] < min(1, p_i[x] / q_i[x]) (q_i[x] = 1 for deterministic
-drafts, draft_probs=None), in order, stopping at the first rejection. The next token is drawn
-by inverse CDF with the segment's u2[s] from
-  - a rejection at i: the residual max(p_i - q_i, 0), or p_i with p_i[x] zeroed when q is None;
-    where the residual has no mass, p_i itself (as verify does);
-  - a full accept: p at the last row (the bonus).
-Inverse CDF: with r the (unnormalised) distribution, the token is the first index j with
-cumsum(r)[j] > u2 * sum(r); if rounding leaves none, the last index with r > 0.
+The rule is spin_batch.engine.verify's (accepted / recovered / bonus), and its torch reference
+there, verify.accept_ref, takes this kernel's arguments. Greedy (temperature == 0): the longest
+draft prefix equal to the rows' argmax (first index on ties, as torch.argmax), then the argmax of
+row `accepted`; no randoms are used. Sampling (temperature > 0): p = softmax(logits / temperature)
+per row in fp32; verify.rejection_sample's accept test with u[i], then the recovered or bonus
+token by verify's inverse CDF at the segment's u2[s] (here summed in fp32 block by block).
 
 The randoms are inputs (u [T], u2 [S], uniform on [0, 1)), so results are reproducible and the
-reference gives the same answers from the same randoms up to fp32 rounding at a decision
-boundary (p/q within ~1e-6 of u, or u2 * sum within ~1e-6 of a CDF step).
+reference gives the same answers from the same randoms up to rounding at a decision boundary
+(p/q within ~1e-6 of u, or u2 * sum within ~1e-6 of a CDF step).
 
 Top-k / top-p: the kernel applies only temperature and softmax. To sample from
 probs_from_logits(logits, sp) (temperature, then top-k/top-p), pass
@@ -240,66 +233,3 @@ def accept(
         num_warps=4,
     )
     return accepted, next_token
-
-
-def _inverse_cdf(r: torch.Tensor, total: torch.Tensor, u2: torch.Tensor) -> int:
-    """First index whose cumulative mass exceeds u2 * total; else the last index with mass."""
-    count = int((r.cumsum(0) <= u2 * total).sum())
-    last = int(torch.nonzero(r > 0).max()) if bool((r > 0).any()) else 0
-    return min(count, last)
-
-
-def accept_ref(
-    target_logits: torch.Tensor,  # [R, V]
-    draft_tokens: torch.Tensor,  # [T]
-    draft_offsets: torch.Tensor,  # [S + 1]
-    row_offsets: torch.Tensor,  # [S + 1]
-    draft_probs: torch.Tensor | None = None,  # [T, V]
-    u: torch.Tensor | None = None,  # [T] float32
-    u2: torch.Tensor | None = None,  # [S] float32
-    temperature: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:  # accepted [S] int64, next_token [S] int64
-    """Torch reference with the kernel's semantics (syncs to the host)."""
-    dev = target_logits.device
-    d_off, r_off, drafts = draft_offsets.tolist(), row_offsets.tolist(), draft_tokens.tolist()
-    S = len(d_off) - 1
-    accepted, nxt = [], []
-    if temperature == 0:
-        best = target_logits.argmax(-1).tolist()  # [R]
-        for s in range(S):
-            a, b, r0 = d_off[s], d_off[s + 1], r_off[s]
-            k = 0
-            while k < b - a and drafts[a + k] == best[r0 + k]:
-                k += 1
-            accepted.append(k)
-            nxt.append(best[r0 + k])
-    else:
-        p_all = (target_logits.float() / temperature).softmax(-1)  # [R, V] fp32
-        q_all = None if draft_probs is None else draft_probs.float()
-        for s in range(S):
-            a, b, r0 = d_off[s], d_off[s + 1], r_off[s]
-            k, rejected = 0, False
-            while k < b - a:
-                x = drafts[a + k]
-                px = p_all[r0 + k, x]
-                qx = torch.ones((), device=dev) if q_all is None else q_all[a + k, x]
-                if bool(qx > 0) and bool(u[a + k] < torch.clamp(px / qx, max=1.0)):
-                    k += 1
-                    continue
-                rejected = True
-                break
-            p = p_all[r0 + k]
-            if not rejected:
-                r = p
-            elif q_all is None:
-                r = p.clone()
-                r[drafts[a + k]] = 0.0
-            else:
-                r = (p - q_all[a + k]).clamp_min(0.0)
-            total = r.sum()
-            if not bool(total > 0):
-                r, total = p, p.sum()
-            accepted.append(k)
-            nxt.append(_inverse_cdf(r, total, u2[s].float()))
-    return (torch.tensor(accepted, dtype=torch.int64, device=dev),
-            torch.tensor(nxt, dtype=torch.int64, device=dev))

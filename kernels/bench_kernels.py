@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from . import accept, accept_ref, kv_write, kv_write_ref, varlen_attention, varlen_attention_ref
+from ..engine.verify import accept_ref
+from . import accept, kv_write, kv_write_ref, varlen_attention, varlen_attention_ref
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -21,10 +21,9 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not importable")
 
 from spin_batch.engine.sampling import SamplingParams, probs_from_logits  # noqa: E402
-from spin_batch.engine.verify import accept_fused, accept_greedy  # noqa: E402
+from spin_batch.engine.verify import accept_fused, accept_greedy, accept_ref  # noqa: E402
 from spin_batch.kernels import (  # noqa: E402
     accept,
-    accept_ref,
     kv_write,
     kv_write_ref,
     triton_available,

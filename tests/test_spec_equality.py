@@ -393,11 +393,11 @@ def test_kernels_forced_on_sampling_runs_the_fused_accept(kernel_target, tiny_dr
     deterministic n-gram drafts in one launch); every request's stream makes it reproducible."""
     from dataclasses import replace
 
-    from spin_batch.engine import loop as loop_module
+    from spin_batch.engine import verify as verify_module
 
     calls = []
-    fused = loop_module.accept_fused
-    monkeypatch.setattr(loop_module, "accept_fused", lambda *a: calls.append(a[5]) or fused(*a))
+    fused = verify_module.accept_fused
+    monkeypatch.setattr(verify_module, "accept_fused", lambda *a: calls.append(a[5]) or fused(*a))
     outs = []
     for _ in range(2):
         lp = make_loop(kernel_target, 3, MixedGamma(["other", "ngram"]), [other_model_factory(tiny_draft_dir), ngram])

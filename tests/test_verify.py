@@ -59,6 +59,11 @@ N_SAMPLES = 60_000
 SIGMAS = 5.0  # per-token bound: |freq - p| < 5 * sqrt(p (1 - p) / N); a false alarm has odds ~1e-6 per token
 
 
+def _accept_one(p, d, q, gen):
+    """verify's rule on one segment, with the randoms drawn from gen as the loop draws them."""
+    return verify.rejection_sample(p, d, q, verify.Uniforms.from_generator(gen))
+
+
 def _draft_sample(q: torch.Tensor, gen: torch.Generator) -> int:
     return int(torch.multinomial(q, 1, generator=gen))
 
@@ -101,7 +106,7 @@ def test_speculative_sampling_reproduces_target_distribution(sp):
     p_logits, q_probs = _problem()
     # the draft distribution goes through the same transform, as drafters do
     q = probs_from_logits(torch.log(q_probs), sp)
-    p, first, second = _first_and_second(verify._accept_one, p_logits, q, sp, N_SAMPLES, seed=11)
+    p, first, second = _first_and_second(_accept_one, p_logits, q, sp, N_SAMPLES, seed=11)
     ok1, z1 = _within_bound(p[0], first)
     ok2, z2 = _within_bound(p[1], second)
     assert ok1, f"first token off by {z1:.1f} sigma"
@@ -118,7 +123,7 @@ def test_subset_head_draft_is_lossless():
     kept[int(p_logits[0].argmax())] = False  # the target's likeliest first token is never drafted
     q = q_probs * kept
     q = q / q.sum(-1, keepdim=True)
-    p, first, second = _first_and_second(verify._accept_one, p_logits, q, sp, N_SAMPLES, seed=13)
+    p, first, second = _first_and_second(_accept_one, p_logits, q, sp, N_SAMPLES, seed=13)
     ok1, z1 = _within_bound(p[0], first)
     ok2, z2 = _within_bound(p[1], second)
     assert ok1, f"first token off by {z1:.1f} sigma"
@@ -133,7 +138,7 @@ def test_deterministic_draft_is_lossless():
     gen = torch.Generator().manual_seed(5)
     counts = torch.zeros(V)
     for _ in range(N_SAMPLES):
-        k, nxt = verify._accept_one(p, [int(p[0].argmax())], None, gen)
+        k, nxt = _accept_one(p, [int(p[0].argmax())], None, gen)
         counts[int(p[0].argmax()) if k else nxt] += 1
     ok, z = _within_bound(p[0], counts)
     assert ok, f"off by {z:.1f} sigma"
@@ -234,7 +239,7 @@ def _gated_outputs(propose, p, q1, q2, n, seed):
     lengths = torch.zeros(3)
     for d, q in zip(drafts, qs):
         lengths[len(d)] += 1
-        k, nxt = verify._accept_one(p, d, q, gen)
+        k, nxt = _accept_one(p, d, q, gen)
         out = d[:k] + [nxt]
         first[out[0]] += 1
         if len(out) > 1:

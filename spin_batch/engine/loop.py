@@ -25,7 +25,7 @@ from ..models.segments import Segments
 from ..stats import RunStats, StepRecord
 from .policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
 from .sampling import SamplingParams, make_generator
-from .verify import Verdict, accept_fused, accept_greedy, accept_sampling
+from .verify import Verdict, accept_drafts
 
 
 @dataclass(frozen=True)
@@ -289,15 +289,10 @@ class BatchLoop:
     def accept(self, plan: Plan, proposal: Proposal, logits: torch.Tensor) -> Verdict:
         """Verdicts for decoding slots, then one per finishing prefill (an empty draft)."""
         drafts = plan.drafts + [[] for _ in plan.finishing]
-        kernels = getattr(self.target, "kernels", None)  # the Triton path (CUDA, or forced on)
-        if self.cfg.sampling.greedy:
-            return accept_fused(kernels, logits, drafts, None, None, self.cfg.sampling) if kernels \
-                else accept_greedy(logits, drafts)
+        kernels = getattr(self.target, "kernels", None) or None  # the Triton path (CUDA, or forced on)
         probs = proposal.probs + [None for _ in plan.finishing]
         gens = [s.gen for s in plan.decode] + [s.gen for s in plan.finishing]
-        if kernels:
-            return accept_fused(kernels, logits, drafts, probs, gens, self.cfg.sampling)
-        return accept_sampling(logits, drafts, probs, gens, self.cfg.sampling)
+        return accept_drafts(kernels, logits, drafts, probs, gens, self.cfg.sampling)
 
     def commit(self, plan: Plan, verdict: Verdict) -> int:
         """Append new tokens, roll caches back to the committed length, finish and free slots."""

@@ -9,16 +9,21 @@ Every verified segment therefore yields accepted + 1 new tokens.
 
 Inputs are ragged: the drafts of all segments are one flat list with offsets, and the target
 rows of segment i are rows [row_offsets[i], row_offsets[i] + gamma_i + 1).
+
+The rule is written once, in torch: accept_greedy (common_prefix with the argmax) and
+rejection_sample (with inverse_cdf from sampling.py). accept_drafts dispatches between it and the
+Triton kernel (accept_fused); accept_ref is the rule behind the kernel's interface, its test oracle.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Callable
 
 import torch
 
-from .sampling import SamplingParams, probs_from_logits, sample, uniform
+from .sampling import SamplingParams, inverse_cdf, probs_from_logits, uniform, uniform64
 
 
 @dataclass
@@ -27,21 +32,41 @@ class Verdict:
     tokens: list[list[int]]  # [S] new tokens per segment: accepted drafts + recovered/bonus
 
 
+@dataclass(frozen=True)
+class Uniforms:
+    """One segment's randoms: accept(i) for draft i's test, draw() for the recovered/bonus token."""
+
+    accept: Callable[[int], float]
+    draw: Callable[[], torch.Tensor | float]
+
+    @classmethod
+    def from_generator(cls, gen: torch.Generator) -> Uniforms:
+        """Drawn from the request's stream when needed: a test per draft reached, then the token."""
+        return cls(lambda i: uniform(gen), lambda: uniform64(gen))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def segment_rows(drafts: list[list[int]]) -> list[int]:
+    """First target row of each segment when the rows lie end to end (gamma_i + 1 each)."""
+    return [0, *accumulate(len(d) + 1 for d in drafts)][:-1]
+
+
 def accept_greedy(
     target_logits: torch.Tensor,  # [R, V] rows of all segments, laid end to end
     drafts: list[list[int]],  # [S] draft tokens per segment (may be empty)
 ) -> Verdict:
     """Longest prefix of each draft that matches the target's argmax, then the target's token."""
     best = target_logits.argmax(-1).tolist()  # [R]: the one host sync of the stage
-    accepted, tokens, row = [], [], 0
-    for d in drafts:
-        k = 0
-        while k < len(d) and d[k] == best[row + k]:
-            k += 1
-        accepted.append(k)
-        tokens.append(d[:k] + [best[row + k]])
-        row += len(d) + 1
-    return Verdict(accepted, tokens)
+    rows = segment_rows(drafts)
+    accepted = [common_prefix(d, best[row : row + len(d)]) for d, row in zip(drafts, rows)]
+    return Verdict(accepted, [d[:k] + [best[row + k]] for d, k, row in zip(drafts, accepted, rows)])
 
 
 def accept_sampling(
@@ -52,32 +77,90 @@ def accept_sampling(
     sp: SamplingParams,
 ) -> Verdict:
     """Speculative rejection sampling; the output is distributed exactly as sampling from p."""
-    p_all = probs_from_logits(target_logits, sp)  # [R, V]
-    accepted, tokens, row = [], [], 0
-    for d, q, gen in zip(drafts, draft_probs, gens):
-        p = p_all[row : row + len(d) + 1]
-        k, nxt = _accept_one(p, d, q, gen)
+    rands = [Uniforms.from_generator(g) for g in gens]
+    return rejection_sample_segments(probs_from_logits(target_logits, sp), drafts, draft_probs, rands)
+
+
+def rejection_sample_segments(
+    p_all: torch.Tensor,  # [R, V] target probs, the segments' rows end to end
+    drafts: list[list[int]],  # [S]
+    draft_probs: list[torch.Tensor | None],  # [S] each [gamma_i, V] q, or None
+    rands: list[Uniforms],  # [S]
+) -> Verdict:
+    """rejection_sample over every segment."""
+    accepted, tokens = [], []
+    for d, q, rand, row in zip(drafts, draft_probs, rands, segment_rows(drafts)):
+        k, nxt = rejection_sample(p_all[row : row + len(d) + 1], d, q, rand)
         accepted.append(k)
         tokens.append(d[:k] + [nxt])
-        row += len(d) + 1
     return Verdict(accepted, tokens)
 
 
-def _accept_one(p: torch.Tensor, d: list[int], q: torch.Tensor | None, gen: torch.Generator) -> tuple[int, int]:
+def rejection_sample(p: torch.Tensor, d: list[int], q: torch.Tensor | None, rand: Uniforms) -> tuple[int, int]:
+    """One segment: (accepted, the recovered token at the first rejection or the bonus token).
+
+    p [gamma + 1, V] target probs; q [gamma, V] draft probs, or None for a deterministic draft
+    (q one-hot at the draft). Draft i stands when q[x] > 0 and u < min(1, p[x] / q[x]).
+    """
     for i, x in enumerate(d):
-        px = float(p[i, x])
         qx = 1.0 if q is None else float(q[i, x])
-        if qx > 0 and uniform(gen) < min(1.0, px / qx):
-            continue
-        if q is None:
-            residual = p[i].clone()
-            residual[x] = 0.0
-        else:
-            residual = (p[i] - q[i]).clamp_min(0.0)
-        total = float(residual.sum())
-        # p == q leaves no residual mass; rejection then has probability 0, but guard rounding.
-        return i, sample(residual / total if total > 0 else p[i], gen)
-    return len(d), sample(p[len(d)], gen)
+        if not (qx > 0 and rand.accept(i) < min(1.0, float(p[i, x]) / qx)):
+            return i, inverse_cdf(recovered_probs(p[i], None if q is None else q[i], x), rand.draw())
+    return len(d), inverse_cdf(p[len(d)], rand.draw())
+
+
+def recovered_probs(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
+    """norm(max(p - q, 0)) after draft x is rejected ([V]; q None: p without x); p where no mass is left."""
+    if q is None:
+        residual = p.clone()
+        residual[x] = 0.0
+    else:
+        residual = (p - q).clamp_min(0.0)
+    total = float(residual.sum())
+    # p == q leaves no residual mass; rejection then has probability 0, but guard rounding.
+    return residual / total if total > 0 else p
+
+
+def accept_drafts(
+    kernels,  # spin_batch.kernels, or None for the torch reference
+    target_logits: torch.Tensor,  # [R, V]
+    drafts: list[list[int]],  # [S]
+    draft_probs: list[torch.Tensor | None],  # [S] as in accept_sampling (unused when greedy)
+    gens: list[torch.Generator],  # [S] (unused when greedy)
+    sp: SamplingParams,
+) -> Verdict:
+    """The one dispatch: the Triton accept kernel when `kernels` is given, else the torch rule."""
+    if kernels is not None:
+        return accept_fused(kernels, target_logits, drafts, draft_probs, gens, sp)
+    if sp.greedy:
+        return accept_greedy(target_logits, drafts)
+    return accept_sampling(target_logits, drafts, draft_probs, gens, sp)
+
+
+def accept_ref(
+    target_logits: torch.Tensor,  # [R, V]
+    draft_tokens: torch.Tensor,  # [T] drafts of all segments end to end
+    draft_offsets: torch.Tensor,  # [S + 1]
+    row_offsets: torch.Tensor,  # [S + 1]: first target row of each segment
+    draft_probs: torch.Tensor | None = None,  # [T, V] q, or None for deterministic drafts
+    u: torch.Tensor | None = None,  # [T] float32 accept-test uniforms (sampling only)
+    u2: torch.Tensor | None = None,  # [S] float32 recovered/bonus uniforms (sampling only)
+    temperature: float = 0.0,  # 0: greedy
+) -> tuple[torch.Tensor, torch.Tensor]:  # accepted [S] int64, next_token [S] int64
+    """The kernel's interface (kernels/accept.py) to this module's rule, with the randoms given."""
+    d_off, r_off, flat = draft_offsets.tolist(), row_offsets.tolist(), draft_tokens.tolist()
+    drafts = [flat[a:b] for a, b in zip(d_off[:-1], d_off[1:])]
+    rows = torch.cat([torch.arange(r, r + len(d) + 1) for r, d in zip(r_off, drafts)] + [torch.arange(0)])
+    logits = target_logits[rows.to(target_logits.device)]  # the segments' rows, end to end
+    if temperature == 0:
+        v = accept_greedy(logits, drafts)
+    else:
+        qs = [None if draft_probs is None else draft_probs[a:b] for a, b in zip(d_off[:-1], d_off[1:])]
+        rands = [Uniforms(lambda i, a=a: float(u[a + i]), lambda s=s: u2[s]) for s, a in enumerate(d_off[:-1])]
+        v = rejection_sample_segments(probs_from_logits(logits, SamplingParams(temperature)), drafts, qs, rands)
+    dev = target_logits.device
+    return (torch.tensor(v.accepted, dtype=torch.int64, device=dev),
+            torch.tensor([t[-1] for t in v.tokens], dtype=torch.int64, device=dev))
 
 
 def accept_fused(
