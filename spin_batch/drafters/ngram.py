@@ -13,6 +13,7 @@ a deterministic function of the context, so this changes what is proposed, never
 from __future__ import annotations
 
 from ..engine.sampling import SamplingParams
+from ..engine.verify import common_prefix
 from .base import Drafter, DraftRequest, Proposal
 
 
@@ -74,9 +75,7 @@ class NgramDrafter(Drafter):
             return
         n, draft, start = got
         new = tokens[start:]
-        k = 0
-        while k < len(draft) and k < len(new) and new[k] == draft[k]:
-            k += 1
+        k = common_prefix(draft, new)
         self.outcomes[n][0] += k
         self.outcomes[n][1] += 1.0 if k < len(draft) else 0.0
 

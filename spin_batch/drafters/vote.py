@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine.sampling import SamplingParams
+from ..engine.verify import common_prefix
 from .base import Drafter, DraftRequest, Proposal
 
 
@@ -48,13 +49,6 @@ def agrees(path: list[int], outcome: list[int]) -> bool | None:
         return None
     n = min(len(path), len(outcome))
     return path[:n] == outcome[:n]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 @dataclass
