@@ -69,7 +69,10 @@ static inline int64_t unit_at(int64_t u, int64_t K, int64_t k, int j) {
 #define PF 64 /* prefetch distance in k-steps: 64 bytes of each panel per step */
 #endif
 #define KB 128 /* k-steps per block: a unit's block of weights (16 KB in float32) stays in L1 while each group
-                  of MR rows passes over it, so the weights stream from memory once for any M */
+                  of MR rows passes over it, so the weights stream from memory once for a few row groups */
+#define BLOCKED_GROUPS 4 /* above this many row groups (a prefill chunk) a group takes the whole of K: reloading
+                            every row's accumulators per block from a large y cost more than it saved (512 rows
+                            x 3072 outputs: 5.6 -> 6.4 ms) */
 
 /* acc [R rows, stride lda][UNIT] (+)= x [R, K] (k0..k1) @ unit u's weights^T; zeroed first where k0 == 0.
  * A row's accumulators are stored and reloaded between blocks exactly, so its sum still runs over k in
@@ -110,10 +113,10 @@ static const micro_t MICROS[MR + 1] = {0, micro_1, micro_2, micro_3,
 };
 
 /* Every unit u of the call, block by block: MICRO_FN(r rows, x row m0, acc row m0, k0, k1, u). */
-#define FOR_BLOCKS(M, K, MICRO_FN)                                                                \
-    for (int64_t k0 = 0; k0 < (K); k0 += KB)                                                             \
+#define FOR_BLOCKS(M, K, MICRO_FN)                                                                       \
+    for (int64_t kb = ((M) + MR - 1) / MR <= BLOCKED_GROUPS ? KB : (K), k0 = 0; k0 < (K); k0 += kb)        \
         for (int64_t m0 = 0; m0 < (M); m0 += MR) {                                                       \
-            int64_t r = (M) - m0 < MR ? (M) - m0 : MR, k1 = k0 + KB < (K) ? k0 + KB : (K);               \
+            int64_t r = (M) - m0 < MR ? (M) - m0 : MR, k1 = k0 + kb < (K) ? k0 + kb : (K);               \
             MICRO_FN;                                                                                    \
         }
 
