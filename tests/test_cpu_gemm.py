@@ -326,3 +326,15 @@ def test_a_new_source_replaces_this_machines_old_build(monkeypatch, tmp_path):
     assert second != first and second.exists() and not first.exists()
     assert sorted(p.name for p in folder.glob("*.so")) == sorted([second.name, "cpu_gemm-othermachine0-0123456789ab.so"])
     assert cpu_gemm._build("cc") == second  # cached: no rebuild, nothing removed
+
+
+def test_bf16_many_rows_in_chunks_keep_each_rows_result(bf16_lib):
+    """Past 240 rows the widening bfloat16 GEMM (builds without AVX512-BF16: the x86-64-v3 pass) sums in
+    row chunks, so its buffer is bounded whatever M is; a row's result still does not depend on its batch."""
+    g = torch.Generator().manual_seed(9)
+    w, x = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(700, 64, generator=g).bfloat16()
+    pw = cpu_gemm.PanelWeight(bf16_lib, w)
+    full = pw(x)
+    for lo, hi in [(0, 1), (239, 241), (250, 251), (480, 700)]:
+        assert torch.equal(pw(x[lo:hi]), full[lo:hi]), (lo, hi)
+    assert (full == (x.float() @ w.float().T).bfloat16()).float().mean() > 0.99

@@ -231,6 +231,8 @@ int spin_gemm_bf16_ok(void) { return 1; }
 /* 1: the bfloat16 GEMM uses AVX512-BF16's dot products (shown by `spin-batch env`). */
 int spin_gemm_bf16_native(void) { return BF16_PAIRS; }
 
+#define ACC_ROWS 240 /* a multiple of every MR */
+
 /* y [M, Op] = x [M, K] @ w^T, all bfloat16 (as uint16), w packed by spin_gemm_pack_bf16. */
 void spin_gemm_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *y, int64_t M, int64_t Op, int64_t K) {
     if (M == 0) return;
@@ -243,13 +245,16 @@ void spin_gemm_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *y, int64_t 
         }
 #else
 #pragma omp parallel for schedule(static)
-    for (int64_t u = 0; u < Op / UNIT; u++) {
-        float acc[M * UNIT]; /* the unit's float32 sums, rounded to bfloat16 once at the end */
-        for (int64_t i = 0; K == 0 && i < M * UNIT; i++) acc[i] = 0.0f;
-        FOR_BLOCKS(M, K, MICROS_BF16[r](x + m0 * K, wp, acc + m0 * UNIT, UNIT, K, k0, k1, u))
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t j = 0; j < UNIT; j++) y[m * Op + UNIT * u + j] = to_bf16(acc[m * UNIT + j]);
-    }
+    for (int64_t u = 0; u < Op / UNIT; u++)
+        for (int64_t c0 = 0; c0 < M; c0 += ACC_ROWS) { /* rows in chunks: the buffer stays 30 KB on any stack */
+            int64_t mc = M - c0 < ACC_ROWS ? M - c0 : ACC_ROWS;
+            const uint16_t *xc = x + c0 * K;
+            float acc[ACC_ROWS * UNIT]; /* the chunk's float32 sums, rounded to bfloat16 once at the end */
+            for (int64_t i = 0; K == 0 && i < mc * UNIT; i++) acc[i] = 0.0f;
+            FOR_BLOCKS(mc, K, MICROS_BF16[r](xc + m0 * K, wp, acc + m0 * UNIT, UNIT, K, k0, k1, u))
+            for (int64_t m = 0; m < mc; m++)
+                for (int64_t j = 0; j < UNIT; j++) y[(c0 + m) * Op + UNIT * u + j] = to_bf16(acc[m * UNIT + j]);
+        }
 #endif
 }
 
