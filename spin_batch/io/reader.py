@@ -35,6 +35,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..records import Request
+
 __all__ = [
     "FORMATS",
     "InputError",
@@ -65,30 +67,6 @@ _SKIP_CHUNK = 1 << 20
 
 class InputError(ValueError):
     """A file-level input problem (no files matched, unreadable file, missing column, ...)."""
-
-
-@dataclass(frozen=True)
-class Request:
-    """One input row.
-
-    Attributes:
-        source: ``"<absolute shard path>#<0-based row index>"``; the resume key.
-        id: the row id as a string, or None when the row has no usable id.
-        prompt: plain-text prompt, or None.
-        messages: chat messages ``({"role": str, "content": str}, ...)``, or None.
-        error: when set the row is bad; it becomes an error row and is never decoded.
-    """
-
-    source: str
-    id: str | None
-    prompt: str | None
-    messages: tuple[dict, ...] | None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        """True when the row is valid and should be decoded."""
-        return self.error is None
 
 
 # --------------------------------------------------------------------------

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..records import Completion
+
 if TYPE_CHECKING:
     import polars
 
@@ -53,6 +55,7 @@ __all__ = [
     "StatsWriter",
     "cleanup_temp",
     "drop_superseded",
+    "completion_row",
     "error_row",
     "make_run_id",
     "normalize_row",
@@ -297,6 +300,28 @@ def error_row(source: str, id: str | None, message: str, prompt_tokens: int = 0)
         "mean_acceptance_length": None,
         "drafter_pulls": {},
         "decode_time_s": 0.0,
+    }
+
+
+def completion_row(c: Completion) -> dict[str, Any]:
+    """The output row of one Completion (OUTPUT_SCHEMA's columns)."""
+    if c.error is not None:
+        return error_row(c.request.source, c.request.id, c.error, c.prompt_tokens)
+    return {
+        "id": c.request.id,
+        "source": c.request.source,
+        "text": c.text,
+        "finish_reason": c.finish_reason,
+        "prompt_tokens": c.prompt_tokens,
+        "completion_tokens": c.completion_tokens,
+        "status": "ok",
+        "error": None,
+        "num_spec_steps": c.num_spec_steps,
+        "num_draft_tokens": c.num_draft_tokens,
+        "num_accepted_draft_tokens": c.num_accepted_draft_tokens,
+        "mean_acceptance_length": c.mean_acceptance_length,
+        "drafter_pulls": dict(c.drafter_pulls),
+        "decode_time_s": c.decode_time_s,
     }
 
 

@@ -1,0 +1,95 @@
+"""What flows between io and the engine: a Request in, a Completion out.
+
+A leaf module: io/ builds Requests from input rows and turns Completions into output rows; the
+engine decodes Requests into Completions. Neither imports the other; the runner joins them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """One row's own generation settings; a field left None takes the job's value.
+
+    The reader validates each value (a bad one makes the row an error row), so the engine can
+    take them as they are.
+    """
+
+    max_tokens: int | None = None  # >= 1
+    temperature: float | None = None  # >= 0; 0: greedy
+    top_p: float | None = None  # (0, 1]
+    top_k: int | None = None  # >= 0; 0: off
+    stop: tuple[str, ...] | None = None  # stop strings (each non-empty)
+    seed: int | None = None  # the row's random stream (sampling); else derived from the job seed and the id
+
+
+NO_PARAMS = RowParams()
+
+
+@dataclass(frozen=True)
+class Request:
+    """One input row.
+
+    Attributes:
+        source: ``"<absolute shard path>#<0-based row index>"``; the resume key.
+        id: the row id as a string, or None when the row has no usable id.
+        prompt: plain-text prompt, or None.
+        messages: chat messages ``({"role": str, "content": str}, ...)``, or None.
+        error: when set the row is bad; it becomes an error row and is never decoded.
+        params: the row's own generation settings (RowParams; all None: the job's).
+        endpoint: the OpenAI batch line's kind ("chat" for /v1/chat/completions, "completion"
+            for /v1/completions), None for a plain row.
+        model: the OpenAI body's "model", echoed in the response line; None otherwise.
+        keep: the input columns carried to the output row (output.keep_columns), or None.
+    """
+
+    source: str
+    id: str | None
+    prompt: str | None
+    messages: tuple[dict, ...] | None
+    error: str | None = None
+    params: RowParams = NO_PARAMS
+    endpoint: Literal["chat", "completion"] | None = None
+    model: str | None = None
+    keep: Mapping[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the row is valid and should be decoded."""
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The engine's answer to one Request: a completion, or an error (status "error")."""
+
+    request: Request
+    text: str | None
+    finish_reason: Literal["stop", "length", "error"]
+    prompt_tokens: int
+    completion_tokens: int = 0
+    error: str | None = None
+    num_spec_steps: int = 0  # verify steps in which the request had drafts
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0  # accepted drafts that reached the completion
+    drafter_pulls: Mapping[str, int] = field(default_factory=dict)  # steps per drafter ("none": no draft)
+    decode_time_s: float = 0.0
+
+    @property
+    def status(self) -> Literal["ok", "error"]:
+        return "error" if self.error is not None else "ok"
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per speculative step (accepted drafts + the step's own token); None without one."""
+        if not self.num_spec_steps:
+            return None
+        return (self.num_accepted_draft_tokens + self.num_spec_steps) / self.num_spec_steps
+
+    @classmethod
+    def failed(cls, request: Request, message: str, prompt_tokens: int = 0) -> Completion:
+        return cls(request, None, "error", prompt_tokens, error=message)
