@@ -78,6 +78,8 @@ class Completion:
     num_accepted_draft_tokens: int = 0  # accepted drafts that reached the completion
     drafter_pulls: Mapping[str, int] = field(default_factory=dict)  # steps per drafter ("none": no draft)
     decode_time_s: float = 0.0
+    token_ids: tuple[int, ...] = ()  # the generated token ids (what the bench compares across methods)
+    share_s: float = 0.0  # the request's share of the steps' wall time (a step's time / the slots it served)
 
     @property
     def status(self) -> Literal["ok", "error"]:
