@@ -418,12 +418,22 @@ class InputConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
-    """Where results go and how often they are flushed."""
+    """Where results go, in which form, with which input columns, and how often they are flushed.
+
+    The Parquet parts under ``dir/outputs`` are always written (they are the resume log);
+    ``format`` openai adds ``dir/results.jsonl`` (OpenAI batch response lines) at the end of a
+    run, both adds it and ``dir/results.parquet``. ``keep_columns`` picks the input columns that
+    come back beside the output columns; an input column named like an output column comes back
+    as ``column_prefix`` + its name.
+    """
 
     dir: str
     rows_per_part: int = 256
     flush_interval_s: float = 60.0
     stats_interval_s: float = 10.0
+    format: Literal["parquet", "openai", "both"] = "parquet"
+    keep_columns: Literal["all", "none"] | tuple[str, ...] = "all"
+    column_prefix: str = "input_"
 
     @classmethod
     def _parse(cls, s: _Section) -> OutputConfig:
@@ -433,7 +443,23 @@ class OutputConfig:
             rows_per_part=s.take("rows_per_part", _int(lo=1)),
             flush_interval_s=s.take("flush_interval_s", positive),
             stats_interval_s=s.take("stats_interval_s", positive),
+            format=s.take("format", _choice("parquet", "openai", "both")),
+            keep_columns=s.take("keep_columns", _keep_columns),
+            column_prefix=s.take("column_prefix", _text()),
         )
+
+
+def _keep_columns(value: Any) -> str | tuple[str, ...]:
+    """all, none, or a list of column names (each non-empty, none twice)."""
+    if isinstance(value, str):
+        return _choice("all", "none")(value)
+    if not isinstance(value, (list, tuple)):
+        raise _Invalid(f"expected all, none or a list of column names, got {_describe(value)}")
+    names = _texts(nonempty=False)(value)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise _Invalid(f"names a column more than once: {', '.join(twice)}")
+    return names
 
 
 @dataclass(frozen=True)
