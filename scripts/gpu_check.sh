@@ -12,9 +12,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${SPIN_BATCH_VENV:-.venv}
 if [ -x "$VENV/bin/python" ]; then PY="$VENV/bin/python"; else PY=${PYTHON:-python3}; fi
-# -P: the working directory stays off sys.path, so the top-level kernels/ (the source of
-# spin_batch.kernels) cannot shadow the PyPI package `kernels` that transformers may import.
-PY="$PY -P"
 unset TRITON_INTERPRET
 BENCH_ARGS=${BENCH_ARGS:---slots 1,16 --limit 16 --repeat 3 --methods autoregressive,fixed:ngram,fixed:d1x384-k4096,spin}
 BENCH_OUT=${BENCH_OUT:-out/gpu_check}
@@ -32,7 +29,7 @@ echo "== kernel and CUDA-graph tests (compiled, CUDA tensors) =="
 $PY -m pytest tests/test_kernels.py tests/test_cuda_graphs.py -q -p no:cacheprovider
 
 echo "== kernel timings =="
-$PY -m spin_batch.kernels.bench_kernels "$@"
+$PY -m spin_kernels.bench_kernels "$@"
 
 for graphs in on off; do
   echo "== demo bench, CUDA graphs $graphs (SPIN_BATCH_KERNELS=${SPIN_BATCH_KERNELS:-auto}) =="

@@ -11,9 +11,6 @@ if [ "${CI:-}" = true ] && [ "$(id -u)" = 0 ] && [ "$(uname -m)" = x86_64 ] && !
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user; } \
     >/dev/null 2>&1 || echo "test.sh: could not install the aarch64 cross compiler and qemu-user; that check will skip" >&2
 fi
-# pytest's own script, not `python -m pytest`: -m puts the working directory on sys.path, and
-# there the top-level kernels/ (the source of spin_batch.kernels) would shadow the PyPI package
-# `kernels` that recent transformers imports. For the same reason tests/ is not a package.
 PYTEST="${SPIN_BATCH_VENV:-.venv}/bin/pytest"
 "$PYTEST" -q "$@"
 if [ $# -eq 0 ] && [ "$(uname -m)" = x86_64 ]; then

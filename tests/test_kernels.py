@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="triton is not importable")
 
 from spin_batch.engine.sampling import SamplingParams, probs_from_logits  # noqa: E402
 from spin_batch.engine.verify import accept_fused, accept_greedy, accept_ref  # noqa: E402
-from spin_batch.kernels import (  # noqa: E402
+from spin_kernels import (  # noqa: E402
     accept,
     kv_write,
     kv_write_ref,
@@ -122,7 +122,7 @@ def test_varlen_attention_odd_head_dim_int64_strided_q(dtype):
 def test_varlen_attention_half_precision_dot_path(monkeypatch):
     """The GPU path for bf16/fp16 (dots on half inputs, softmax weights cast to the input dtype),
     run under the interpreter with fp16, whose numpy matmul is sound (bf16's is not)."""
-    mod = importlib.import_module("spin_batch.kernels.varlen_attention")
+    mod = importlib.import_module("spin_kernels.varlen_attention")
     monkeypatch.setattr(mod, "is_interpreted", lambda kernel: False)
     args, _ = _attention_inputs(PARTS, 6, 2, 32, torch.float16, seed=5)
     torch.testing.assert_close(varlen_attention(*args).float(), varlen_attention_ref(*args).float(),
@@ -356,7 +356,7 @@ def test_accept_no_segments_and_bad_inputs():
 
 @pytest.mark.parametrize("ties", [False, True])
 def test_accept_fused_greedy_equals_accept_greedy(ties):
-    import spin_batch.kernels as K
+    import spin_kernels as K
 
     kw, drafts = _accept_inputs(40 + ties, ties=ties, agree=0.85)
     want = accept_greedy(kw["target_logits"], drafts)
@@ -371,7 +371,7 @@ def test_accept_fused_sampling_is_exact(sp):
     """One launch over many one-token drafts, alternately with q (a model draft) and without (an
     n-gram draft, q one-hot inside accept_fused): the first new token of each must be
     distributed as the target's p, whatever q was (the drafts are drawn from q, or fixed)."""
-    import spin_batch.kernels as K
+    import spin_kernels as K
 
     g = _gen(7)
     V, n = 6, 600  # the interpreter runs each segment's program in Python: keep n small
@@ -427,10 +427,10 @@ def test_use_kernels_switch(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU import path")
 def test_cpu_kernels_work_without_triton_interpret_set():
-    """Without a GPU, importing spin_batch.kernels turns the interpreter on by itself, so
+    """Without a GPU, importing spin_kernels turns the interpreter on by itself, so
     SPIN_BATCH_KERNELS=on works on CPU tensors in a fresh process."""
     code = (
-        "import torch, spin_batch.kernels as K\n"
+        "import torch, spin_kernels as K\n"
         "c = torch.zeros(2, 1, 4, 16); k = torch.ones(1, 1, 16)\n"
         "i = torch.tensor([1]); K.kv_write(c, c.clone(), i, torch.tensor([3]), k, k)\n"
         "assert c[1, 0, 3].sum().item() == 16 and c.sum().item() == 16\n"
@@ -460,7 +460,7 @@ def test_kernels_compile_for_sm90():
     In a subprocess: this process decorated the kernels for the interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled mode even without a GPU
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run([sys.executable, "-m", "spin_batch.kernels.aot_check", "--arch", "90", "--quick"], env=env,
+    res = subprocess.run([sys.executable, "-m", "spin_kernels.aot_check", "--arch", "90", "--quick"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "all compiled for sm_90" in res.stdout

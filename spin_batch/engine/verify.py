@@ -122,7 +122,7 @@ def recovered_probs(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Te
 
 
 def accept_drafts(
-    kernels,  # spin_batch.kernels, or None for the torch reference
+    kernels,  # spin_kernels, or None for the torch reference
     target_logits: torch.Tensor,  # [R, V]
     drafts: list[list[int]],  # [S]
     draft_probs: list[torch.Tensor | None],  # [S] as in accept_sampling (unused when greedy)
@@ -164,7 +164,7 @@ def accept_ref(
 
 
 def accept_fused(
-    kernels,  # spin_batch.kernels
+    kernels,  # spin_kernels
     target_logits: torch.Tensor,  # [R, V]
     drafts: list[list[int]],  # [S]
     draft_probs: list[torch.Tensor | None] | None,  # [S] as in accept_sampling; None when greedy

@@ -198,7 +198,7 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
 
 
 def kernels_module(device: torch.device):
-    """spin_batch.kernels when the Triton path is on for this device, else None.
+    """spin_kernels (the Triton kernels) when the Triton path is on for this device, else None.
 
     SPIN_BATCH_KERNELS=on|off|auto (default auto: on for CUDA tensors when Triton imports). The
     module is imported only when it may be used: importing Triton costs start-up time.
@@ -206,9 +206,9 @@ def kernels_module(device: torch.device):
     mode = os.environ.get("SPIN_BATCH_KERNELS", "auto").strip().lower()
     if mode == "off" or (mode in ("", "auto") and device.type != "cuda"):
         return None
-    from .. import kernels
+    import spin_kernels
 
-    return kernels if kernels.use_kernels(device) else None
+    return spin_kernels if spin_kernels.use_kernels(device) else None
 
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)

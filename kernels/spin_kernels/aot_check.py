@@ -1,11 +1,11 @@
 """Compile the kernels' real launches for an NVIDIA GPU without one (ptxas ships with triton).
 
-    TRITON_INTERPRET=0 python -m spin_batch.kernels.aot_check [--arch 90] [--quick]
+    TRITON_INTERPRET=0 python -m spin_kernels.aot_check [--arch 90] [--quick]
 
 Each public wrapper is called on small CPU tensors with its launch intercepted; the launch it
 would make (argument types, constexprs, num_warps, num_stages) is compiled to a cubin for the
 given compute capability, and the shared memory each needs is printed. Interpreted kernels
-cannot be compiled: without a GPU, set TRITON_INTERPRET=0 (else spin_batch.kernels turns the
+cannot be compiled: without a GPU, set TRITON_INTERPRET=0 (else spin_kernels turns the
 interpreter on when it imports triton).
 """
 
@@ -27,7 +27,7 @@ _TRITON_TYPES = {
 
 
 def compile_launch(module_name: str, wrapper: str, *args, arch: int = 90, **kwargs):
-    """Runs spin_batch.kernels.<module_name>.<wrapper>(*args, **kwargs) with the launch
+    """Runs spin_kernels.<module_name>.<wrapper>(*args, **kwargs) with the launch
     intercepted and compiles that launch; returns (constexprs, compiled kernel)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -35,7 +35,7 @@ def compile_launch(module_name: str, wrapper: str, *args, arch: int = 90, **kwar
 
     from ._triton import is_interpreted
 
-    mod = importlib.import_module(f"spin_batch.kernels.{module_name}")
+    mod = importlib.import_module(f"{__package__}.{module_name}")
     launches = []
 
     class _Recorder:

@@ -1,7 +1,7 @@
 """Time the Triton kernels against their torch references on the GPU.
 
-    python -m spin_batch.kernels.bench_kernels [--slots 64 --context 1024 --heads 9 --kv-heads 3
-                                                --head-dim 64 --dtype bf16]
+    python -m spin_kernels.bench_kernels [--slots 64 --context 1024 --heads 9 --kv-heads 3
+                                         --head-dim 64 --dtype bf16]
 
 Attention is timed for a decode batch (every slot 1 new token), a verify batch (1 + gamma
 tokens) and a prefill chunk batch, all at the given context; the reported bandwidth is the
@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from ..engine.verify import accept_ref
+from spin_batch.engine.verify import accept_ref
+
 from . import accept, kv_write, kv_write_ref, varlen_attention, varlen_attention_ref
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -215,8 +215,8 @@ def varlen_attention_ref(
     max_seg_len: int,  # unused (kept for the same signature)
 ) -> torch.Tensor:  # [N, H, D]
     """Torch reference: the runtime's own attention_ref on the same segment table. Syncs to the host."""
-    from ..models.llama import attention_ref
-    from ..models.segments import Segments
+    from spin_batch.models.llama import attention_ref
+    from spin_batch.models.segments import Segments
 
     seg = Segments(seg_slots.tolist(), seg_starts.tolist(), seg_cache_lens.tolist(), q.device)
     return attention_ref(q, cache_k, cache_v, seg)
