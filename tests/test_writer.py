@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -16,12 +18,15 @@ from spin_batch.io.writer import (
     OutputWriter,
     StatsWriter,
     cleanup_temp,
+    completion_row,
     error_row,
     read_done,
+    read_output_table,
     read_outputs,
     read_stats,
     write_json_atomic,
 )
+from spin_batch.records import Completion, Request
 
 
 class FakeClock:
@@ -279,7 +284,10 @@ def test_status_defaults_from_error(tmp_path: Path) -> None:
     "row",
     [
         {"id": "a"},  # no source
-        {"source": "s#0", "bogus": 1},
+        {"source": "s#0", 5: 1},  # a kept column's name must be a string
+        {"source": "s#0", "endpoint": "embeddings"},
+        {"source": "s#0", "created": "today"},
+        {"source": "s#0", "model": 3},
         {"source": "s#0", "status": "maybe"},
         {"source": "s#0", "finish_reason": "eos"},
         {"source": "s#0", "prompt_tokens": "3"},
@@ -295,6 +303,83 @@ def test_invalid_rows_rejected(tmp_path: Path, row: dict) -> None:
         out.add(row)
     out.close()
     assert part_files(tmp_path) == []
+
+
+def request(i: int, **fields) -> Request:
+    return Request(f"/in/a.jsonl#{i}", f"r{i}", fields.pop("prompt", "hello"), fields.pop("messages", None), **fields)
+
+
+def test_completion_row_fills_the_openai_columns() -> None:
+    chat = Request("/in/a.jsonl#0", "r0", None, ({"role": "user", "content": "hi"},))
+    row = completion_row(Completion(chat, "hey", "stop", 4, 1), model="builtin:tiny", created=1700000000)
+    assert (row["endpoint"], row["model"], row["created"]) == ("chat", "builtin:tiny", 1700000000)
+    row = completion_row(Completion(request(1), "x", "length", 2, 3), model="builtin:tiny")
+    assert row["endpoint"] == "completion" and abs(row["created"] - time.time()) < 60
+    own = request(2, endpoint="chat", model="my-model")  # an OpenAI batch line: its endpoint and body.model
+    row = completion_row(Completion.failed(own, "too long", 9), model="builtin:tiny", created=5)
+    assert (row["endpoint"], row["model"], row["status"], row["error"], row["prompt_tokens"]) == \
+        ("chat", "my-model", "error", "too long", 9)
+    assert set(row) == set(OUTPUT_SCHEMA.names)  # the request keeps no columns
+
+
+def test_kept_columns_all_none_or_named_and_a_clash_gets_the_prefix() -> None:
+    keep = {"label": 3, "text": "the input's text", "input_text": "taken too", "meta": {"a": 1}}
+    done = Completion(request(0, keep=keep), "generated", "stop", 2, 1)
+    row = completion_row(done)
+    assert row["text"] == "generated"  # ours keeps its name
+    assert {k: row[k] for k in keep if k != "text"} == {"label": 3, "input_text": "taken too", "meta": {"a": 1}}
+    assert row["input_input_text"] == "the input's text"  # input_ was taken: the prefix again
+    assert set(row) - set(OUTPUT_SCHEMA.names) == {"label", "input_text", "input_input_text", "meta"}
+    assert set(completion_row(done, keep="none")) == set(OUTPUT_SCHEMA.names)
+    named = completion_row(done, keep=("text", "absent"), prefix="in.")
+    assert set(named) - set(OUTPUT_SCHEMA.names) == {"in.text", "absent"}
+    assert named["in.text"] == "the input's text" and named["absent"] is None
+
+
+def test_kept_columns_round_trip_with_their_types_across_parts(tmp_path: Path) -> None:
+    rows = [
+        {"source": "s#0", "n": 1, "score": 1, "label": 7, "tags": ["a"]},
+        {"source": "s#1", "n": 2, "score": 2, "label": 8, "mixed": 1},
+        # part 2: score turns float (promoted), label a string (JSON text in every part),
+        # mixed holds a number and a string within the part (JSON text), extra is new (null before)
+        {"source": "s#2", "n": 3, "score": 2.5, "label": "x", "mixed": "one", "extra": True},
+        {"source": "s#3", "n": 4, "score": None, "label": None, "mixed": 2},
+    ]
+    with OutputWriter(tmp_path, rows_per_part=2) as out:
+        for row in rows:
+            out.add(row)
+    first, second = (pq.read_schema(p) for p in part_files(tmp_path))
+    assert first.names == OUTPUT_SCHEMA.names + ["n", "score", "label", "tags", "mixed"]
+    assert first.field("n").type == pa.int64() and first.field("tags").type == pa.list_(pa.string())
+    assert second.field("mixed").metadata == {b"spin_batch.encoding": b"json"}
+    table = read_output_table(tmp_path)
+    assert table.column_names == OUTPUT_SCHEMA.names + ["n", "score", "label", "tags", "mixed", "extra"]
+    got = {name: table.column(name).to_pylist() for name in ["n", "score", "label", "tags", "mixed", "extra"]}
+    assert got == {
+        "n": [1, 2, 3, 4],
+        "score": [1.0, 2.0, 2.5, None],
+        "label": ["7", "8", '"x"', None],
+        "tags": [["a"], None, None, None],
+        "mixed": [None, "1", '"one"', "2"],
+        "extra": [None, None, True, None],
+    }
+    assert read_outputs(tmp_path)["n"].to_list() == [1, 2, 3, 4]
+    assert read_done(tmp_path)[0] == {"s#0", "s#1", "s#2", "s#3"}
+
+
+def test_a_part_without_the_newer_columns_reads_them_as_null(tmp_path: Path) -> None:
+    """A part written before endpoint, model and created were added to OUTPUT_SCHEMA."""
+    old_schema = pa.schema([f for f in OUTPUT_SCHEMA if f.name not in ("endpoint", "model", "created")])
+    with OutputWriter(tmp_path, run_id="20250101T000000000000_aaaaaa") as out:
+        out.add(ok_row(0))
+    old = tmp_path / "outputs" / "part-w0000-20240101T000000000000_old-00000.parquet"  # the earlier run
+    row = writer.normalize_row(ok_row(1))
+    pq.write_table(pa.Table.from_pylist([{k: row[k] for k in old_schema.names}], schema=old_schema), old)
+    table = read_output_table(tmp_path)
+    assert table.schema.equals(OUTPUT_SCHEMA)
+    assert table.column("id").to_pylist() == ["r1", "r0"]
+    assert table.column("endpoint").to_pylist()[0] is None and table.column("created").to_pylist()[0] is None
+    assert read_done(tmp_path)[1] == {"r0", "r1"}
 
 
 def test_read_outputs_empty(tmp_path: Path) -> None:

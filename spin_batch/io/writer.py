@@ -16,6 +16,10 @@ truncated or emptied by hand) is moved aside by :func:`read_done` to
 ``part-....parquet.corrupt-<UTC time>`` (kept, never deleted), with one line on
 stderr; its rows count as not done, so the run redoes them.
 
+A row holds OUTPUT_SCHEMA's columns, then the input columns it carries (``output.keep_columns``;
+their names and Arrow types: :mod:`spin_batch.io.columns`). A part written before a column was
+added to OUTPUT_SCHEMA reads with that column null.
+
 Each input row (``source``) has one row in the outputs. A rerun with
 ``--retry-errors`` writes a new row for a source whose row was an error; the
 latest row of a source (by run id, then part number) is the one that counts:
@@ -44,6 +48,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..records import Completion
+from . import columns
 
 if TYPE_CHECKING:
     import polars
@@ -57,6 +62,7 @@ __all__ = [
     "drop_superseded",
     "completion_row",
     "error_row",
+    "read_output_table",
     "make_run_id",
     "normalize_row",
     "read_done",
@@ -85,6 +91,11 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("mean_acceptance_length", pa.float64(), nullable=True),
         pa.field("drafter_pulls", pa.map_(pa.string(), pa.int32()), nullable=False),
         pa.field("decode_time_s", pa.float64(), nullable=False),
+        # how the row answers in OpenAI's batch format (output.format openai): "chat" or "completion",
+        # the model named in the response, the Unix time the row was made
+        pa.field("endpoint", pa.string(), nullable=True),
+        pa.field("model", pa.string(), nullable=True),
+        pa.field("created", pa.int64(), nullable=True),
     ]
 )
 
@@ -92,6 +103,7 @@ _INT_COLUMNS = frozenset(f.name for f in OUTPUT_SCHEMA if pa.types.is_int32(f.ty
 _FLOAT_COLUMNS = frozenset(f.name for f in OUTPUT_SCHEMA if pa.types.is_float64(f.type))
 _STATUSES = frozenset({"ok", "error"})
 _FINISH_REASONS = frozenset({None, "stop", "length", "error"})
+_ENDPOINTS = frozenset({None, "chat", "completion"})
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _WORKER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]*$")
 
@@ -253,9 +265,19 @@ def _check_strings(row: Mapping[str, Any]) -> None:
         raise OutputError(f"output column 'status' must be 'ok' or 'error', got {row['status']!r}")
     if row["finish_reason"] not in _FINISH_REASONS:
         raise OutputError(f"output column 'finish_reason' must be stop/length/error/None, got {row['finish_reason']!r}")
-    for name in ("id", "text", "error"):
+    if row["endpoint"] not in _ENDPOINTS:
+        raise OutputError(f"output column 'endpoint' must be chat/completion/None, got {row['endpoint']!r}")
+    for name in ("id", "text", "error", "model"):
         if row[name] is not None and not isinstance(row[name], str):
             raise OutputError(f"output column {name!r} must be a string or None, got {row[name]!r}")
+
+
+def _created_value(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise OutputError(f"output column 'created' must be an integer (Unix seconds) or None, got {value!r}")
+    return int(value)
 
 
 def normalize_row(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -264,13 +286,14 @@ def normalize_row(row: Mapping[str, Any]) -> dict[str, Any]:
     Missing keys get defaults: 0 for int columns, None for nullable columns,
     ``{}`` for drafter_pulls, ``0.0`` for decode_time_s, and status "error"
     when an error message is set, "ok" otherwise. ``source`` is required.
+    Any other key is an input column the row carries (:func:`completion_row`), kept as it is.
 
     Raises:
-        OutputError: unknown keys or values of the wrong type.
+        OutputError: a value of the wrong type, or a key that is not a string.
     """
-    unknown = set(row) - set(OUTPUT_SCHEMA.names)
-    if unknown:
-        raise OutputError(f"unknown output columns: {', '.join(sorted(unknown))}")
+    bad = [key for key in row if not isinstance(key, str) or not key]
+    if bad:
+        raise OutputError(f"output column names must be non-empty strings, got {bad!r}")
     out = {name: row.get(name) for name in OUTPUT_SCHEMA.names}
     if out["status"] is None:
         out["status"] = "error" if out["error"] is not None else "ok"
@@ -280,6 +303,8 @@ def normalize_row(row: Mapping[str, Any]) -> dict[str, Any]:
     for name in _FLOAT_COLUMNS:
         out[name] = _float_value(name, out[name], OUTPUT_SCHEMA.field(name).nullable)
     out["drafter_pulls"] = _pulls_value(out["drafter_pulls"])
+    out["created"] = _created_value(out["created"])
+    out.update((key, value) for key, value in row.items() if key not in out)
     return out
 
 
@@ -300,13 +325,32 @@ def error_row(source: str, id: str | None, message: str, prompt_tokens: int = 0)
         "mean_acceptance_length": None,
         "drafter_pulls": {},
         "decode_time_s": 0.0,
+        "endpoint": None,
+        "model": None,
+        "created": None,
     }
 
 
-def completion_row(c: Completion) -> dict[str, Any]:
-    """The output row of one Completion (OUTPUT_SCHEMA's columns)."""
-    if c.error is not None:
-        return error_row(c.request.source, c.request.id, c.error, c.prompt_tokens)
+def completion_row(c: Completion, *, model: str | None = None, keep: columns.KeepColumns = "all",
+                   prefix: str = "input_", created: int | None = None) -> dict[str, Any]:
+    """The output row of one Completion: OUTPUT_SCHEMA's columns, then the input columns the
+    request carries (``keep``: all, none or a list; one named like an output column gets
+    ``prefix``, see :mod:`spin_batch.io.columns`).
+
+    ``endpoint`` is the request's OpenAI endpoint, else "chat" for a row with messages and
+    "completion" for a prompt; ``model`` the request's own, else ``model`` (the job's target);
+    ``created`` now, in Unix seconds, unless given.
+    """
+    req = c.request
+    row = _answer(c) if c.error is None else error_row(req.source, req.id, c.error, c.prompt_tokens)
+    row["endpoint"] = req.endpoint or ("chat" if req.messages is not None else "completion")
+    row["model"] = req.model or model
+    row["created"] = int(time.time()) if created is None else created
+    row.update(columns.kept_values(req.keep, keep, prefix, OUTPUT_SCHEMA.names))
+    return row
+
+
+def _answer(c: Completion) -> dict[str, Any]:
     return {
         "id": c.request.id,
         "source": c.request.source,
@@ -326,9 +370,13 @@ def completion_row(c: Completion) -> dict[str, Any]:
 
 
 def _rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
-    """Build an OUTPUT_SCHEMA table from normalized rows."""
-    columns = {name: [row[name] for row in rows] for name in OUTPUT_SCHEMA.names}
-    return pa.table(columns, schema=OUTPUT_SCHEMA)
+    """Build a part from normalized rows: OUTPUT_SCHEMA's columns, then the kept input columns (the
+    union of the rows' other keys, first seen first; a row without one is null there)."""
+    table = pa.table({name: [row[name] for row in rows] for name in OUTPUT_SCHEMA.names}, schema=OUTPUT_SCHEMA)
+    kept = dict.fromkeys(key for row in rows for key in row if key not in table.column_names)
+    for name in kept:
+        table = table.append_column(*columns.part_column(name, [row.get(name) for row in rows]))
+    return table
 
 
 class OutputWriter:
@@ -523,26 +571,51 @@ def read_done(out_dir: str | Path, *, retry_errors: bool = False, tidy: bool = F
     return set(done), {i for i in done.values() if i is not None}
 
 
-def read_outputs(out_dir: str | Path, *, warn: Callable[[str], None] = _warn) -> polars.DataFrame:
-    """All complete output parts concatenated, each source's latest row only (an empty frame with
-    the schema if none). A part that cannot be read is left out, with a line through ``warn``."""
-    import polars as pl
+def _conform(table: pa.Table) -> pa.Table:
+    """A part's table with OUTPUT_SCHEMA's columns first, cast to their types (a nullable column the
+    part predates is null), then its kept input columns as they are."""
+    own = []
+    for f in OUTPUT_SCHEMA:
+        if f.name in table.column_names:
+            own.append(table.column(f.name).cast(f.type))
+        elif f.nullable:
+            own.append(pa.nulls(table.num_rows, f.type))
+        else:
+            raise ValueError(f"no {f.name!r} column")
+    kept = [f for f in table.schema if f.name not in OUTPUT_SCHEMA.names]
+    return pa.Table.from_arrays(own + [table.column(f.name) for f in kept],
+                                schema=pa.schema(list(OUTPUT_SCHEMA) + kept))
 
+
+def read_output_table(out_dir: str | Path, *, warn: Callable[[str], None] = _warn) -> pa.Table:
+    """All complete output parts merged, each source's latest row only, as an Arrow table:
+    OUTPUT_SCHEMA's columns, then every kept input column any part has (see
+    :mod:`spin_batch.io.columns` for how their types merge); the empty schema if none. A part
+    that cannot be read is left out, with a line through ``warn``."""
     tables = []
     for path in sorted(_part_files(Path(out_dir) / OUTPUTS_DIR, "part"), key=_part_order):
         try:
-            tables.append(pq.read_table(path).cast(OUTPUT_SCHEMA))
+            tables.append(_conform(pq.read_table(path)))
         except FileNotFoundError:
             continue
         except (OSError, pa.ArrowException, ValueError) as exc:
             warn(f"spin-batch: {path} cannot be read ({_short(exc)}); left out (a rerun moves it aside and "
                  "redoes its rows)")
     if not tables:
-        return pl.from_arrow(OUTPUT_SCHEMA.empty_table())
-    frame = pl.from_arrow(pa.concat_tables(tables))
-    if frame["source"].n_unique() < frame.height:  # a retried row and the row it replaced
-        frame = frame.unique(subset="source", keep="last", maintain_order=True)
-    return frame
+        return OUTPUT_SCHEMA.empty_table()
+    table = columns.merge_parts(tables, OUTPUT_SCHEMA.names)
+    sources = table.column("source").to_pylist()
+    latest = {source: i for i, source in enumerate(sources)}
+    if len(latest) < len(sources):  # a retried row and the row it replaced
+        table = table.take(pa.array(sorted(latest.values()), type=pa.int64()))
+    return table
+
+
+def read_outputs(out_dir: str | Path, *, warn: Callable[[str], None] = _warn) -> polars.DataFrame:
+    """:func:`read_output_table` as a polars DataFrame."""
+    import polars as pl
+
+    return pl.from_arrow(read_output_table(out_dir, warn=warn))
 
 
 def cleanup_temp(out_dir: str | Path, *, worker: str | None = None) -> int:
