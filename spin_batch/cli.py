@@ -58,9 +58,20 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_
     first run's is refused unless --allow-changed-job.
     Input: blank JSONL lines are skipped (no row); a row with both a prompt
     and messages, or a line over input.max_line_bytes, is an error row.
-    Exit codes: 0 every row written (error rows included), 1 bad job or
-    input, 75 another run of this worker holds the lock, 128+signal after
-    SIGTERM/SIGINT (130 for Ctrl-C, during start-up too): rerun to resume.
+    Output: Parquet parts under OUTPUT_DIR/outputs (the resume log); with
+    output.format openai (or both) a finished run also writes
+    OUTPUT_DIR/results.jsonl, OpenAI batch response lines in input order.
+
+    \b
+    Exit codes:
+      0           every row was written (error rows included)
+      1           bad job or flags (found before any model loads), or an
+                  input file that cannot be read
+      75          another run of this job and worker holds the lock
+                  (EX_TEMPFAIL: try later)
+      128+signal  stopped by SIGTERM (143) or SIGINT (130) after finishing
+                  the step and flushing; Ctrl-C during start-up: 130 at
+                  once. Rerun the same command to resume.
     """
     try:
         _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job)
@@ -196,9 +207,17 @@ def report(out_dir, png):
 @main.command()
 @click.argument("out_dir", metavar="OUTPUT_DIR", type=click.Path(file_okay=False))
 @click.option("--to", "dest", required=True, metavar="FILE.parquet|FILE.jsonl",
-              help="The merged file; its extension (.parquet, .jsonl or .ndjson) picks the format.")
+              help="The merged file; unless --format says, its extension (.parquet, .jsonl or .ndjson) "
+                   "picks the format.")
+@click.option("--format", "fmt", type=click.Choice(["auto", "parquet", "jsonl", "openai"]), default="auto",
+              show_default=True,
+              help="parquet or jsonl: the rows (spin-batch's columns and the input columns kept); openai: one "
+                   "OpenAI batch response line a row, as output.format openai writes to results.jsonl.")
+@click.option("--model", default=None,
+              help="openai: the model a line names where its row has none (default: the job's target, from "
+                   "OUTPUT_DIR's summary.json).")
 @click.option("--no-errors", is_flag=True, help="Leave out the error rows.")
-def export(out_dir, dest, no_errors):
+def export(out_dir, dest, fmt, model, no_errors):
     """Merge every worker's output parts into one file, in input order.
 
     \b
@@ -210,7 +229,7 @@ def export(out_dir, dest, no_errors):
     from .export import export as do_export
 
     try:
-        n = do_export(out_dir, dest, errors=not no_errors)
+        n = do_export(out_dir, dest, errors=not no_errors, fmt=fmt, model=model)
     except ExportError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"spin-batch: {n} rows written to {dest}", err=True)

@@ -1,10 +1,15 @@
 """`spin-batch export OUTPUT_DIR --to FILE`: every worker's output parts as one file, in input order.
 
-The rows are those :func:`spin_batch.io.writer.read_outputs` gives (each source's latest row: a retried
-row replaces the error row it redid), ordered by input position. A row's ``source`` is
-``"<shard path>#<row index>"``; the job reads its shards in sorted path order (``list_shards``), so rows
-are ordered by shard path, then by row index as a number. The file is written under a temporary name
-in the same folder and renamed into place, so a reader never sees half a file.
+The rows are those :func:`spin_batch.io.writer.read_output_table` gives (each source's latest row: a
+retried row replaces the error row it redid; the input columns the rows carry beside spin-batch's),
+ordered by input position. A row's ``source`` is ``"<shard path>#<row index>"``; the job reads its
+shards in sorted path order (``list_shards``), so rows are ordered by shard path, then by row index as
+a number. The file is written under a temporary name in the same folder and renamed into place, so a
+reader never sees half a file.
+
+Formats: ``parquet`` (the rows), ``jsonl`` (one row a line), ``openai`` (one OpenAI batch response line
+a row: :mod:`spin_batch.io.openai_batch`). :func:`write_results` writes the files ``output.format``
+asks for at the end of a run: ``results.jsonl`` (openai, both) and ``results.parquet`` (both).
 """
 
 from __future__ import annotations
@@ -16,9 +21,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .io.writer import OUTPUT_SCHEMA, OUTPUTS_DIR, _write_atomic, read_outputs
+from .io.openai_batch import response_lines
+from .io.writer import OUTPUTS_DIR, _write_atomic, read_output_table
 
-FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+FORMATS = ("auto", "parquet", "jsonl", "openai")  # auto: by the destination's extension
+RESULTS_JSONL = "results.jsonl"
+RESULTS_PARQUET = "results.parquet"
+UNKNOWN_MODEL = "spin-batch"  # an OpenAI line's model where neither the row nor the folder names one
 
 
 class ExportError(ValueError):
@@ -42,40 +52,86 @@ def ordered_table(out_dir: str | Path, *, errors: bool = True) -> pa.Table:
     if not any((out / OUTPUTS_DIR).glob("part-*.parquet")):
         raise ExportError(f"{out}: no output parts (nothing under {out / OUTPUTS_DIR}/part-*.parquet); "
                           "is this a job's output.dir, and has a run written rows yet?")
-    frame = read_outputs(out)
-    table = frame.to_arrow().cast(OUTPUT_SCHEMA)
+    table = read_output_table(out)
     if not errors:
         table = table.filter(pc.not_equal(table.column("status"), "error"))
     order = sorted(range(table.num_rows), key=lambda i, s=table.column("source").to_pylist(): _position(s[i]))
     return table.take(pa.array(order, type=pa.int64()))
 
 
-def _jsonl_bytes(table: pa.Table) -> bytes:
-    lines = []
-    for batch in table.to_batches(max_chunksize=4096):
-        for row in batch.to_pylist():
-            row["drafter_pulls"] = dict(row["drafter_pulls"] or [])
-            lines.append(json.dumps(row, ensure_ascii=False))
+def _lines_bytes(lines) -> bytes:
+    lines = list(lines)
     return ("\n".join(lines) + "\n").encode("utf-8") if lines else b""
 
 
-def export(out_dir: str | Path, dest: str | Path, *, errors: bool = True) -> int:
-    """Write the job's rows in input order to ``dest`` (.parquet, or .jsonl/.ndjson: one JSON object a
-    line); returns how many rows were written."""
-    dest = Path(dest)
-    fmt = FORMATS.get(dest.suffix.lower())
-    if fmt is None:
-        raise ExportError(f"{dest}: unknown extension {dest.suffix or '(none)'!r}; use .parquet or .jsonl")
-    if dest.is_dir():
-        raise ExportError(f"{dest} is a directory")
-    table = ordered_table(out_dir, errors=errors)
+def _jsonl_lines(table: pa.Table):
+    for batch in table.to_batches(max_chunksize=4096):
+        for row in batch.to_pylist():
+            row["drafter_pulls"] = dict(row["drafter_pulls"] or [])
+            yield json.dumps(row, ensure_ascii=False, default=str)  # a kept date or decimal as text
+
+
+def job_model(out_dir: str | Path) -> str:
+    """The target model of the job that wrote ``out_dir``, as its summary.json records it (the model an
+    OpenAI line names where its row has none: rows written before rows carried it)."""
+    for path in sorted(Path(out_dir).glob("summary*.json")):
+        try:
+            return str(json.loads(path.read_text())["job"]["target"]["model"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return UNKNOWN_MODEL
+
+
+def _format(dest: Path, fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if fmt != "auto":
+        return fmt
+    if dest.suffix.lower() not in EXTENSIONS:
+        raise ExportError(f"{dest}: unknown extension {dest.suffix or '(none)'!r}; use .parquet or .jsonl "
+                          "(or name the format)")
+    return EXTENSIONS[dest.suffix.lower()]
+
+
+def _write(table: pa.Table, dest: Path, fmt: str, model: str) -> None:
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         if fmt == "parquet":
             _write_atomic(dest, lambda handle: pq.write_table(table, handle))
-        else:
-            data = _jsonl_bytes(table)
-            _write_atomic(dest, lambda handle: handle.write(data))
+            return
+        data = _lines_bytes(response_lines(table, model) if fmt == "openai" else _jsonl_lines(table))
+        _write_atomic(dest, lambda handle: handle.write(data))
     except OSError as e:
         raise ExportError(f"cannot write {dest}: {e.strerror or e}") from None
+
+
+def export(out_dir: str | Path, dest: str | Path, *, errors: bool = True, fmt: str = "auto",
+           model: str | None = None) -> int:
+    """Write the job's rows in input order to ``dest``; returns how many rows were written.
+
+    ``fmt``: parquet, jsonl (one JSON object a line), openai (one OpenAI batch response line a row)
+    or auto (by ``dest``'s extension: .parquet, .jsonl or .ndjson). ``model``: the model an OpenAI
+    line names where its row has none (default: the job's target, from the folder's summary.json).
+    """
+    dest = Path(dest)
+    fmt = _format(dest, fmt)
+    if dest.is_dir():
+        raise ExportError(f"{dest} is a directory")
+    table = ordered_table(out_dir, errors=errors)
+    _write(table, dest, fmt, model or job_model(out_dir))
     return table.num_rows
+
+
+def write_results(out_dir: str | Path, output_format: str, model: str) -> list[Path]:
+    """The merged files ``output.format`` asks for (see the module doc), of every worker's rows present
+    now; returns their paths (none for parquet, whose parts are the output)."""
+    wanted = {"parquet": [], "openai": [(RESULTS_JSONL, "openai")],
+              "both": [(RESULTS_JSONL, "openai"), (RESULTS_PARQUET, "parquet")]}[output_format]
+    if not wanted:
+        return []
+    table = ordered_table(out_dir)
+    paths = []
+    for name, fmt in wanted:
+        _write(table, Path(out_dir) / name, fmt, model)
+        paths.append(Path(out_dir) / name)
+    return paths

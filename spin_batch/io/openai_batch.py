@@ -1,0 +1,70 @@
+"""Output rows as OpenAI batch response lines, the lines the OpenAI Batch API and `vllm run-batch` write.
+
+One JSON object a line::
+
+    {"id": "batch_req_<key>", "custom_id": <the row id>,
+     "response": {"status_code": 200, "request_id": "req_<key>", "body": <a chat.completion or
+                  text_completion object>},
+     "error": null}
+
+The body is a ``chat.completion`` (``choices[0].message``) for a row whose endpoint is "chat"
+and a ``text_completion`` (``choices[0].text``) otherwise, with ``usage`` from the row's token
+counts. An error row answers as vLLM's batch runner does: ``status_code`` 400, no body, and
+``error`` ``{"code": "invalid_request_error", "message": <the row's error>}``.
+
+``<key>`` is derived from the row's source and creation time, so exporting the same rows twice
+gives the same bytes. A row from a part written before the endpoint, model and created columns
+existed answers as a text completion, by ``default_model``, created at 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pyarrow as pa
+
+ERROR_CODE = "invalid_request_error"
+
+
+def _key(row: Mapping[str, Any]) -> str:
+    return hashlib.sha256(f"{row['source']}\0{row.get('created')}".encode()).hexdigest()[:24]
+
+
+def _body(row: Mapping[str, Any], key: str, default_model: str) -> dict[str, Any]:
+    chat = row.get("endpoint") == "chat"
+    choice: dict[str, Any] = {"index": 0, "finish_reason": row["finish_reason"], "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": row["text"]}
+    else:
+        choice["text"] = row["text"]
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{key}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": row.get("created") or 0,
+        "model": row.get("model") or default_model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["completion_tokens"],
+                  "total_tokens": row["prompt_tokens"] + row["completion_tokens"]},
+    }
+
+
+def response_line(row: Mapping[str, Any], default_model: str) -> dict[str, Any]:
+    """One output row (OUTPUT_SCHEMA's columns) as an OpenAI batch response line."""
+    key = _key(row)
+    if row["status"] == "error":
+        return {"id": f"batch_req_{key}", "custom_id": row["id"],
+                "response": {"status_code": 400, "request_id": f"req_{key}", "body": None},
+                "error": {"code": ERROR_CODE, "message": row["error"]}}
+    return {"id": f"batch_req_{key}", "custom_id": row["id"],
+            "response": {"status_code": 200, "request_id": f"req_{key}", "body": _body(row, key, default_model)},
+            "error": None}
+
+
+def response_lines(table: pa.Table, default_model: str) -> Iterator[str]:
+    """Each row of ``table``, in order, as one JSON line (without the newline)."""
+    for batch in table.to_batches(max_chunksize=4096):
+        for row in batch.to_pylist():
+            yield json.dumps(response_line(row, default_model), ensure_ascii=False)
