@@ -84,7 +84,7 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_
 def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job):
     from .io.reader import InputError
     from .io.writer import OutputError
-    from .models.cpu_gemm import CpuGemmUnavailable
+    from .models.cpu_decoder import CpuDecoderUnavailable
     from .models.loader import ModelNotFoundError
     from .models.llama import UnsupportedModelError
     from .runner import RunLocked, StopFlag, check_models, run_job
@@ -102,7 +102,7 @@ def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry
     except RunLocked as e:  # not a failure of this job: EX_TEMPFAIL, so a cron wrapper can tell
         click.echo(f"Error: {e}", err=True)
         sys.exit(75)
-    except (InputError, OutputError, ModelNotFoundError, UnsupportedModelError, CpuGemmUnavailable, ValueError,
+    except (InputError, OutputError, ModelNotFoundError, UnsupportedModelError, CpuDecoderUnavailable, ValueError,
             OSError) as e:
         raise click.ClickException(str(e)) from None
     s = result.summary
@@ -369,10 +369,10 @@ def env(job_path, overrides):
 
     import torch
 
-    from .models import cpu_gemm, cpu_plan
+    from .models import cpu_decoder, cpu_plan
 
     def flag_line() -> str:
-        have = set(cpu_gemm._cpu_flags().split())
+        have = set(cpu_decoder._cpu_flags().split())
         wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "avx_ne_convert", "asimd", "sve")
         return " ".join(f for f in wanted if f in have) or "(none of the ones spin-batch uses)"
 
@@ -380,13 +380,13 @@ def env(job_path, overrides):
     click.echo(f"cpu flags\t{flag_line()}")
     click.echo(f"torch\t{torch.__version__}, kernels {torch.backends.cpu.get_cpu_capability()}, oneDNN bfloat16 "
                f"{'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no (bfloat16 off the C path uses torch GEMM)'}")
-    lib = cpu_gemm.library()
+    lib = cpu_decoder.library()
     if lib is None:
-        click.echo(f"c kernels\tunavailable: {cpu_gemm.unavailable_reason()}")
+        click.echo(f"c kernels\tunavailable: {cpu_decoder.unavailable_reason()}")
     else:
-        info = cpu_gemm.build_info(lib)
+        info = cpu_decoder.build_info(lib)
         click.echo(f"c kernels\t-march={info['march']}, {info['isa']} GEMM, bfloat16 GEMM {info['bf16_gemm']} "
-                   f"(SPIN_BATCH_CPU_GEMM={cpu_gemm.mode()})")
+                   f"(SPIN_BATCH_CPU_GEMM={cpu_decoder.mode()})")
     if job_path is None:
         return
     from .models import loader

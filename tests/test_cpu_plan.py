@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from spin_batch.models import cpu_gemm, cpu_plan
+from spin_batch.models import cpu_decoder, cpu_plan
 from spin_batch.models.loader import load_model, read_spec
 from spin_batch.models.segments import Segments
 
@@ -26,10 +26,10 @@ def auto(monkeypatch, tmp_path):
     """Auto mode with a cache folder of its own (so nothing was measured yet)."""
     monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "auto")
     monkeypatch.setenv("SPIN_BATCH_CACHE", str(tmp_path / "cache"))
-    cpu_gemm.reset()
+    cpu_decoder.reset()
     yield tmp_path / "cache"
     monkeypatch.undo()
-    cpu_gemm.reset()
+    cpu_decoder.reset()
 
 
 def test_c_is_kept_unless_another_path_is_clearly_faster():
@@ -45,14 +45,14 @@ def test_auto_measures_once_then_reads_the_choice_back(auto, tiny_dir):
     first = cpu_plan.plan(spec, torch.float32, torch.device("cpu"), loop)
     assert first.why.startswith("measured now") and set(first.ms["layers"]) == set(cpu_plan.LAYERS)
     assert first.layers == cpu_plan._pick(first.ms["layers"]) and first.lm_head == cpu_plan._pick(first.ms["lm_head"])
-    stored = json.loads((auto / "cpu_gemm" / "plans.json").read_text())
+    stored = json.loads((auto / "cpu_decoder" / "plans.json").read_text())
     (key, record), = stored.items()
-    assert cpu_gemm.build_key() in key and "3x1;3x5" in key and record["layers"] == first.layers
+    assert cpu_decoder.build_key() in key and "3x1;3x5" in key and record["layers"] == first.layers
     again = cpu_plan.plan(spec, torch.float32, torch.device("cpu"), loop)
     assert again.why.startswith("measured on this machine earlier") and again.ms == first.ms
     other = cpu_plan.plan(spec, torch.float32, torch.device("cpu"), cpu_plan.workloads(8, 0))
     assert other.why.startswith("measured now")  # other row counts: measured for them
-    assert len(json.loads((auto / "cpu_gemm" / "plans.json").read_text())) == 2
+    assert len(json.loads((auto / "cpu_decoder" / "plans.json").read_text())) == 2
 
 
 def _force_timings(monkeypatch, layers: dict, head: dict) -> None:
@@ -88,17 +88,17 @@ def test_forced_and_unmeasurable_plans_say_why(monkeypatch, tiny_dir):
     cpu = torch.device("cpu")
     try:
         monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "off")
-        cpu_gemm.reset()
+        cpu_decoder.reset()
         assert cpu_plan.plan(spec, torch.float32, cpu, None) == cpu_plan.CpuPlan("torch", "torch", "SPIN_BATCH_CPU_GEMM=off")
         monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "on")
-        cpu_gemm.reset()
+        cpu_decoder.reset()
         assert cpu_plan.plan(spec, torch.float32, cpu, None).layers == "c"
         half = cpu_plan.plan(spec, torch.float16, cpu, None)
         assert half.layers == "torch" and "float16" in half.why
         assert load_model(tiny_dir, "float16").c_decoder is None
     finally:
         monkeypatch.undo()
-        cpu_gemm.reset()
+        cpu_decoder.reset()
     with pytest.raises(ValueError, match="CPU path 'fast'"):
         cpu_plan.forced("fast")
 

@@ -135,27 +135,27 @@ def test_sampled_completions_add_teacher_contexts(tmp_path, tiny_distilled, tiny
 
 
 def test_the_bf16_teacher_is_built_for_throughput_and_nothing_else_is(tmp_path, tiny_distilled, monkeypatch):
-    """run_distill builds its bfloat16 teacher inside cpu_gemm.throughput_gemm() (the batch-variant
+    """run_distill builds its bfloat16 teacher inside cpu_decoder.throughput_gemm() (the batch-variant
     oneDNN path on AMX CPUs), and the float32 target and the drafts it measures outside it."""
     import shutil
     from dataclasses import replace
 
     from spin_batch.distill import run_distill
-    from spin_batch.models import cpu_gemm
+    from spin_batch.models import cpu_decoder
 
     settings, _ = tiny_distilled
     shutil.copytree(settings.out / "data", tmp_path / "data")  # cached teacher data: only the loads run
     built = []
-    real = cpu_gemm.panel_weight
-    monkeypatch.setattr(cpu_gemm, "panel_weight",
-                        lambda w: built.append((w.dtype, cpu_gemm._throughput.get())) or real(w))
+    real = cpu_decoder.panel_weight
+    monkeypatch.setattr(cpu_decoder, "panel_weight",
+                        lambda w: built.append((w.dtype, cpu_decoder._throughput.get())) or real(w))
     s = replace(settings, out=tmp_path, teacher_dtype="bfloat16", cost_slots=(1,),
                 train=replace(settings.train, steps=2))
     run_distill(s, progress=False)
     teacher = [on for dtype, on in built if dtype == torch.bfloat16 and on]
     assert teacher  # the teacher's weights were built inside the block ...
     assert not any(on for dtype, on in built if dtype == torch.float32)  # ... and the float32 models outside
-    assert not cpu_gemm._throughput.get()
+    assert not cpu_decoder._throughput.get()
 
 
 def test_rerun_reuses_the_cached_teacher_data(tiny_distilled, tiny_dir):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..io.writer import write_json_atomic
-from ..models import cpu_gemm, loader
+from ..models import cpu_decoder, loader
 from ..models.distilled import fingerprint, load_draft
 from .data import TeacherData, data_key, generation_job, score, sequences
 from .net import DraftArch, save_draft
@@ -148,8 +148,8 @@ def run_distill(s: DistillSettings, progress: bool = True) -> dict:
 
     t0 = time.perf_counter()
     # The teacher only generates and scores, never verifies a draft: its bfloat16 GEMMs may take the
-    # faster, batch-variant oneDNN path (cpu_gemm.throughput_gemm; the float32 held-out data is unchanged).
-    with cpu_gemm.throughput_gemm():
+    # faster, batch-variant oneDNN path (cpu_decoder.throughput_gemm; the float32 held-out data is unchanged).
+    with cpu_decoder.throughput_gemm():
         teacher = target if t_dtype == "float32" else loader.load_model(target_dir, t_dtype, device)
         train_data = _teacher(s, "train", s.prompts, teacher, tokenizer, fp, progress, s.samples)
         del teacher

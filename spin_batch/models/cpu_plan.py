@@ -1,7 +1,7 @@
 """Which CPU path runs a model, chosen by measuring both on this machine for the model's own shapes.
 
 A model on CPU runs its decoder layers one of three ways:
-- `c`: every layer in one call of our C decoder (cpu_gemm.c: panel GEMMs, C attention). Each row is
+- `c`: every layer in one call of our C decoder (cpu_decoder.c: panel GEMMs, C attention). Each row is
   computed alone, so its result does not depend on the batch: speculative greedy output is exact in
   bfloat16 as well as float32.
 - `torch+c_attention`: oneDNN's prepacked GEMMs for the linears, our C attention.
@@ -15,7 +15,7 @@ shapes, dtype, thread count and the loop's row counts, `plan()` builds one decod
 with random weights of those shapes, times every candidate on the loop's forwards (decode and verify
 rows at a context of CONTEXT tokens, the best of REPS runs each) and keeps the fastest. The C path is
 kept unless another is more than C_MARGIN faster: it alone gives batch-invariant results. The choice is
-written to $SPIN_BATCH_CACHE/cpu_gemm/plans.json beside the library's builds, keyed by the build, so
+written to $SPIN_BATCH_CACHE/cpu_decoder/plans.json beside the library's builds, keyed by the build, so
 later runs (and the other tasks of a Slurm array on the same kind of node) read it instead of timing.
 
 SPIN_BATCH_CPU_GEMM=on forces `c` (and fails where the library cannot be built); `off` forces `torch`.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cachedir import cache_root, file_lock, write_atomic
-from . import cpu_gemm
+from . import cpu_decoder
 from .segments import Segments
 
 LAYERS = ("c", "torch+c_attention", "torch")
@@ -70,9 +70,9 @@ class CpuPlan:
         out = {"layers": self.layers, "lm_head": self.lm_head, "why": self.why}
         if self.ms:
             out["measured_ms"] = self.ms
-        lib = cpu_gemm.library() if self.layers != "torch" or self.lm_head != "torch" else None
+        lib = cpu_decoder.library() if self.layers != "torch" or self.lm_head != "torch" else None
         if lib is not None:
-            out["c_build"] = cpu_gemm.build_info(lib)
+            out["c_build"] = cpu_decoder.build_info(lib)
         return out
 
 
@@ -90,18 +90,18 @@ def workloads(slots: int, speculative_tokens: int) -> tuple[tuple[int, int], ...
 
 def _fixed(spec, dtype: torch.dtype) -> CpuPlan | None:
     """The plan when nothing needs measuring, else None."""
-    mode = cpu_gemm.mode()
+    mode = cpu_decoder.mode()
     if mode == "off":
         return CpuPlan("torch", "torch", "SPIN_BATCH_CPU_GEMM=off")
     if dtype not in (torch.float32, torch.bfloat16):
         return CpuPlan("torch", "torch", f"{str(dtype).removeprefix('torch.')}: the C kernels take float32 and bfloat16")
-    lib = cpu_gemm.library()
+    lib = cpu_decoder.library()
     if lib is None:
-        return CpuPlan("torch", "torch", f"the C library is unavailable ({cpu_gemm.unavailable_reason()})")
+        return CpuPlan("torch", "torch", f"the C library is unavailable ({cpu_decoder.unavailable_reason()})")
     if dtype == torch.bfloat16 and (spec.hidden_size % 2 or spec.intermediate_size % 2
                                     or (spec.num_heads * spec.head_dim) % 2):
         return CpuPlan("torch", "torch", "bfloat16 with an odd layer width: the C GEMM reads inputs in pairs")
-    attention_ok = cpu_gemm.attention_applies(lib, dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    attention_ok = cpu_decoder.attention_applies(lib, dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     if mode == "on":
         if not attention_ok:
             return CpuPlan("torch", "c", "SPIN_BATCH_CPU_GEMM=on; the C attention does not take this head size")
@@ -118,20 +118,20 @@ def plan(spec, dtype: torch.dtype, device: torch.device, loop: tuple[tuple[int, 
     if fixed is not None:
         return fixed
     loop = loop or workloads(1, 4)
-    lib = cpu_gemm.library()
+    lib = cpu_decoder.library()
     key = "|".join([
-        cpu_gemm.build_key(), str(dtype).removeprefix("torch."), f"threads={torch.get_num_threads()}",
+        cpu_decoder.build_key(), str(dtype).removeprefix("torch."), f"threads={torch.get_num_threads()}",
         f"torch={torch.__version__}/{torch.backends.cpu.get_cpu_capability()}/{os.environ.get('ONEDNN_MAX_CPU_ISA', '')}",
         ",".join(str(x) for x in (spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads,
                                    spec.head_dim, spec.vocab_size, int(spec.qkv_bias),
                                    int(getattr(spec, "o_bias", False)))),
         ";".join(f"{s}x{n}" for s, n in loop),
     ])
-    path = cache_root() / "cpu_gemm" / "plans.json"
+    path = cache_root() / cpu_decoder.CACHE / "plans.json"
     cached = _read(path).get(key)
     if cached:
         return CpuPlan(cached["layers"], cached["lm_head"], f"measured on this machine earlier ({path})", cached["ms"])
-    attention_ok = cpu_gemm.attention_applies(lib, dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    attention_ok = cpu_decoder.attention_applies(lib, dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     candidates = LAYERS if attention_ok else ("torch",)
     t0 = time.perf_counter()
     layer_ms = _time_layers(spec, dtype, loop, candidates)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemm, cpu_plan, cuda_graphs
+from . import cpu_decoder, cpu_plan, cuda_graphs
 from .cache import KVCache
 from .cpu_plan import CpuPlan
 from .segments import Segments
@@ -239,7 +239,7 @@ class Linear:
     """x [N, in] -> x @ weight[out, in]^T (+ bias) -> [N, out].
 
     On CPU, with panel=True (the model's plan chose the C path, see cpu_plan.py), float32 and bfloat16
-    weights go to our panel GEMM (cpu_gemm.py): it streams them near memory speed at the loop's batch
+    weights go to our panel GEMM (cpu_decoder.py): it streams them near memory speed at the loop's batch
     sizes and keeps each row's result independent of the batch. Otherwise the weight is prepacked once
     into oneDNN's blocked layout where oneDNN takes its dtype on this CPU, and runs on torch's F.linear
     where it does not (bfloat16 without AVX-512: slower, but it runs; said once). Other devices use
@@ -249,7 +249,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, panel: bool | None = None):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.panel = cpu_gemm.panel_weight(weight) if panel is not False else None
+        self.panel = cpu_decoder.panel_weight(weight) if panel is not False else None
         cpu = weight.device.type == "cpu"
         self.packed = self.panel is None and cpu and onednn_takes(weight.dtype)
         if self.panel is None and cpu and weight.dtype == torch.bfloat16 and not self.packed:
@@ -496,16 +496,16 @@ class LlamaModel:
         self.kernels = kernels_module(self.device)  # Triton kernels, or None for the torch path
         # CUDA graphs of the short (decode, verify) forwards on the Triton path, or None
         self.graphs = cuda_graphs.StepGraphs(self) if cuda_graphs.enabled(self.device, self.kernels) else None
-        self.cpu_lib = cpu_gemm.library() if self.device.type == "cpu" else None  # the C norm, or None
-        # The C attention (cpu_gemm.c) on CPU where the plan has it and it takes this model, else the torch path.
-        self.c_attention = self.cpu_lib is not None and self.plan.c_attention and cpu_gemm.attention_applies(
+        self.cpu_lib = cpu_decoder.library() if self.device.type == "cpu" else None  # the C norm, or None
+        # The C attention (cpu_decoder.c) on CPU where the plan has it and it takes this model, else the torch path.
+        self.c_attention = self.cpu_lib is not None and self.plan.c_attention and cpu_decoder.attention_applies(
             self.cpu_lib, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self._rope_len = 0
         self._ensure_rope(max_len or min(spec.max_position_embeddings, 4096))
         # All layers in one C call per forward where every piece runs on the C kernels.
         self.c_decoder = None
-        if self.c_attention and cpu_gemm.Decoder.applies(self.cpu_lib, layers, self.dtype):
-            self.c_decoder = cpu_gemm.Decoder(self.cpu_lib, layers, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
+        if self.c_attention and cpu_decoder.Decoder.applies(self.cpu_lib, layers, self.dtype):
+            self.c_decoder = cpu_decoder.Decoder(self.cpu_lib, layers, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
                                               head_dim=spec.head_dim, intermediate=spec.intermediate_size,
                                               eps=spec.rms_norm_eps)
 
@@ -692,7 +692,7 @@ class LlamaModel:
     def normed(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """rms_norm of the float32 residual h, in the weights' dtype (the input of a linear)."""
         if self.cpu_lib is not None and h.dtype == torch.float32 and h.dim() == 2:
-            x = cpu_gemm.rms_norm(self.cpu_lib, h, weight, self.spec.rms_norm_eps)
+            x = cpu_decoder.rms_norm(self.cpu_lib, h, weight, self.spec.rms_norm_eps)
         else:
             x = F.rms_norm(h, weight.shape, weight, self.spec.rms_norm_eps)
         return x if x.dtype == self.dtype else x.to(self.dtype)
@@ -709,11 +709,11 @@ class LlamaModel:
         return attend
 
     def _c_attention(self, seg: Segments):
-        """C on CPU: KV write and every row's attention in one call per layer (see cpu_gemm.c)."""
+        """C on CPU: KV write and every row's attention in one call per layer (see cpu_decoder.c)."""
         lib = self.cpu_lib
 
         def attend(li: int, cache: KVCache, q, k, v) -> torch.Tensor:
-            return cpu_gemm.attention(lib, q, k, v, cache.k[li], cache.v[li], seg.token_slots, seg.positions)
+            return cpu_decoder.attention(lib, q, k, v, cache.k[li], cache.v[li], seg.token_slots, seg.positions)
 
         return attend
 

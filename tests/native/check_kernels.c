@@ -1,4 +1,4 @@
-/* A C check of spin_batch/models/cpu_gemm.c, for builds the Python suite cannot load: another
+/* A C check of spin_batch/models/cpu_decoder.c, for builds the Python suite cannot load: another
  * architecture (aarch64 under qemu-user) or another -march. Compiled as one unit with the kernels:
  *   cc -O2 -march=... -fopenmp tests/native/check_kernels.c -o check -lm && ./check
  * It checks the float32 and bfloat16 GEMMs against a double reference, that a row's result is bitwise
@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../spin_batch/models/cpu_gemm.c"
+#include "../../spin_batch/models/cpu_decoder.c"
 
 static int passed, failed;
 

@@ -1,4 +1,5 @@
-"""The decode loop's CPU kernels (cpu_gemm.c), compiled once per kind of machine.
+"""The decoder on CPU in C (cpu_decoder.c): its GEMMs, norms and attention, and all its layers in one
+call, compiled once per kind of machine.
 
 What it holds, and why:
 - Panel GEMMs in float32 and bfloat16 at the loop's batch sizes (1 to a few dozen rows), where oneDNN's
@@ -19,7 +20,7 @@ Whether a model runs on these kernels or on oneDNN and torch is decided per mode
 BENCHMARKS.md and docs/kernels.md.
 
 The library is built with the system C compiler ($CC, else cc) with -O3 -march=$SPIN_BATCH_CPU_ARCH
-(default native) -fopenmp into $SPIN_BATCH_CACHE/cpu_gemm/, keyed by the source, the flags and the CPU's
+(default native) -fopenmp into $SPIN_BATCH_CACHE/cpu_decoder/, keyed by the source, the flags and the CPU's
 feature flags (a cache shared over NFS by different nodes keeps one build per kind). It links against
 the OpenMP runtime torch has already loaded, so torch.set_num_threads applies to it.
 
@@ -50,7 +51,9 @@ import torch
 
 from ..cachedir import cache_root, cached_file
 
-SOURCE = Path(__file__).with_name("cpu_gemm.c")
+SOURCE = Path(__file__).with_name("cpu_decoder.c")
+CACHE = "cpu_decoder"  # the folder under $SPIN_BATCH_CACHE, and the builds' name
+LEGACY_CACHE = "cpu_gemm"  # the same, while this module was cpu_gemm.py
 BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -71,7 +74,7 @@ PANEL = 32  # outputs per micro-kernel call: padded to a multiple of this
 _state: dict[str, object] = {}
 
 
-class CpuGemmUnavailable(RuntimeError):
+class CpuDecoderUnavailable(RuntimeError):
     pass
 
 
@@ -113,21 +116,24 @@ def build_key() -> str:
 def _build(compiler: str) -> Path:
     """The library for this kind of machine and this source, compiled once into the cache.
 
-    Named cpu_gemm-<machine key>-<source key>.so: a build for a new source removes this machine kind's
+    Named cpu_decoder-<machine key>-<source key>.so: a build for a new source removes this machine kind's
     builds of older sources (a process that has one loaded keeps its mapping), so they do not pile up
-    over upgrades, while other kinds of CPU sharing the cache keep theirs.
+    over upgrades, while other kinds of CPU sharing the cache keep theirs. That includes this machine
+    kind's builds under the module's former name (LEGACY_CACHE), in any naming scheme it had.
     """
     machine = machine_key()
-    folder = cache_root() / "cpu_gemm"
-    out = folder / f"cpu_gemm-{build_key()}.so"
+    folder = cache_root() / CACHE
+    out = folder / f"{CACHE}-{build_key()}.so"
 
     def compile_to(tmp: Path) -> None:
         res = subprocess.run([compiler, *flags(), str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
                              timeout=300)
         if res.returncode != 0:
-            raise CpuGemmUnavailable(f"{compiler} failed: {res.stderr.strip()[-2000:]}")
-        stale = [p for p in folder.glob(f"cpu_gemm-{machine}-*.so") if p != out]
-        stale += [p for p in folder.glob("cpu_gemm-*.so") if p.name.count("-") == 1]  # names before this scheme
+            raise CpuDecoderUnavailable(f"{compiler} failed: {res.stderr.strip()[-2000:]}")
+        stale = [p for p in folder.glob(f"{CACHE}-{machine}-*.so") if p != out]
+        legacy = cache_root() / LEGACY_CACHE
+        stale += legacy.glob(f"{LEGACY_CACHE}-{machine}-*.so")
+        stale += [p for p in legacy.glob(f"{LEGACY_CACHE}-*.so") if p.name.count("-") == 1]  # its first scheme
         for p in stale:
             for f in (p, p.with_name(f".{p.name}.lock")):
                 f.unlink(missing_ok=True)
@@ -146,7 +152,7 @@ def library() -> ctypes.CDLL | None:
     try:
         compiler = _compiler()
         if shutil.which(compiler) is None:
-            raise CpuGemmUnavailable(f"no C compiler ({compiler!r} is not on PATH)")
+            raise CpuDecoderUnavailable(f"no C compiler ({compiler!r} is not on PATH)")
         lib = ctypes.CDLL(str(_build(compiler)))
         lib.spin_gemm_pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
         lib.spin_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
@@ -170,10 +176,10 @@ def library() -> ctypes.CDLL | None:
         lib.spin_gemm_bf16_native.restype = ctypes.c_int
         for fn in (lib.spin_gemm_pack, lib.spin_gemm, lib.spin_gemm_pack_bf16, lib.spin_gemm_bf16, lib.spin_rms_norm):
             fn.restype = None
-    except (CpuGemmUnavailable, OSError, subprocess.SubprocessError) as e:
+    except (CpuDecoderUnavailable, OSError, subprocess.SubprocessError) as e:
         if m == "on":
-            raise CpuGemmUnavailable(f"SPIN_BATCH_CPU_GEMM=on but the kernel cannot be built: {e}") from e
-        warnings.warn(f"spin-batch: CPU GEMM and norm library unavailable, using oneDNN and torch instead ({e})",
+            raise CpuDecoderUnavailable(f"SPIN_BATCH_CPU_GEMM=on but the kernel cannot be built: {e}") from e
+        warnings.warn(f"spin-batch: the C decoder library is unavailable, using oneDNN and torch instead ({e})",
                       stacklevel=2)
         _state["error"] = str(e)
         lib = None
@@ -312,7 +318,7 @@ class _Widths(ctypes.Structure):
 
 
 class Decoder:
-    """A model's decoder layers run by spin_decoder: one C call a forward for all layers (cpu_gemm.c).
+    """A model's decoder layers run by spin_decoder: one C call a forward for all layers (cpu_decoder.c).
 
     Built from LlamaModel layers whose four linears are all PanelWeights of one dtype; holds the
     pointers, so the layers must outlive it (the model owns both).

@@ -1,21 +1,21 @@
-"""The CPU panel GEMMs (spin_batch/models/cpu_gemm.c), float32 and bfloat16: values, batch independence,
-fallbacks."""
+"""The C decoder on CPU (spin_batch/models/cpu_decoder.c): its panel GEMMs in float32 and bfloat16, norm,
+attention and whole-decoder call: values, batch independence, fallbacks, builds."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from spin_batch.models import cpu_gemm
+from spin_batch.models import cpu_decoder
 from spin_batch.models import llama
 from spin_batch.models.llama import Linear
 
 
 @pytest.fixture
 def lib():
-    lib = cpu_gemm.library()
+    lib = cpu_decoder.library()
     if lib is None:
-        pytest.fail("the CPU GEMM kernel did not build here; the set-up needs a C compiler (cc)")
+        pytest.fail("the C decoder library did not build here; the set-up needs a C compiler (cc)")
     return lib
 
 
@@ -26,7 +26,7 @@ SHAPES = [(1, 64, 64), (5, 960, 576), (13, 100, 70), (30, 33, 2), (80, 320, 136)
 def test_matches_float64_reference(lib, M, O, K):
     g = torch.Generator().manual_seed(M * 1000 + O + K)
     w, x = torch.randn(O, K, generator=g), torch.randn(M, K, generator=g)
-    y = cpu_gemm.PanelWeight(lib, w)(x)
+    y = cpu_decoder.PanelWeight(lib, w)(x)
     assert y.shape == (M, O) and y.dtype == torch.float32
     ref = x.double() @ w.double().T
     # one lane sums K products in order: error bound ~ K * eps * sum |x||w|
@@ -37,7 +37,7 @@ def test_matches_float64_reference(lib, M, O, K):
 def test_a_rows_result_does_not_depend_on_its_batch(lib):
     g = torch.Generator().manual_seed(7)
     w, x = torch.randn(3072, 576, generator=g), torch.randn(29, 576, generator=g)
-    pw = cpu_gemm.PanelWeight(lib, w)
+    pw = cpu_decoder.PanelWeight(lib, w)
     full = pw(x)
     for lo, hi in [(0, 1), (3, 4), (5, 10), (12, 25), (28, 29), (0, 29)]:
         assert torch.equal(pw(x[lo:hi]), full[lo:hi]), (lo, hi)
@@ -52,7 +52,7 @@ def test_linear_uses_it_for_float32_and_adds_the_bias(lib):
 
 @pytest.fixture
 def bf16_lib(lib):
-    assert lib.spin_gemm_bf16_ok()  # every build has one (see cpu_gemm.c)
+    assert lib.spin_gemm_bf16_ok()  # every build has one (see cpu_decoder.c)
     return lib
 
 
@@ -60,7 +60,7 @@ def bf16_lib(lib):
 def test_bf16_matches_float64_reference(bf16_lib, M, O, K):
     g = torch.Generator().manual_seed(M * 1000 + O + K)
     w, x = torch.randn(O, K, generator=g).bfloat16(), torch.randn(M, K, generator=g).bfloat16()
-    y = cpu_gemm.PanelWeight(bf16_lib, w)(x)
+    y = cpu_decoder.PanelWeight(bf16_lib, w)(x)
     assert y.shape == (M, O) and y.dtype == torch.bfloat16
     ref = x.double() @ w.double().T
     # float32 sums in order (~K * eps32), then one rounding to bfloat16 (half an ulp: at most 2^-8 relative)
@@ -74,7 +74,7 @@ def test_bf16_matches_float64_reference(bf16_lib, M, O, K):
 def test_bf16_rows_result_does_not_depend_on_its_batch(bf16_lib):
     g = torch.Generator().manual_seed(8)
     w, x = torch.randn(3072, 576, generator=g).bfloat16(), torch.randn(29, 576, generator=g).bfloat16()
-    pw = cpu_gemm.PanelWeight(bf16_lib, w)
+    pw = cpu_decoder.PanelWeight(bf16_lib, w)
     full = pw(x)
     for lo, hi in [(0, 1), (3, 4), (5, 10), (12, 25), (28, 29), (0, 29)]:
         assert torch.equal(pw(x[lo:hi]), full[lo:hi]), (lo, hi)
@@ -103,7 +103,7 @@ def test_throughput_block_leaves_bfloat16_to_onednn_on_amx_only(lib, monkeypatch
     the panel GEMM."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     w, x = torch.randn(50, 40).bfloat16(), torch.randn(3, 40).bfloat16()
-    with cpu_gemm.throughput_gemm():
+    with cpu_decoder.throughput_gemm():
         fast, f32 = Linear(w), Linear(w.float())
     to_onednn = amx and llama.onednn_takes(torch.bfloat16)  # oneDNN held to AVX2 cannot use the tiles
     assert (fast.panel is None and fast.packed) if to_onednn else fast.panel is not None
@@ -116,26 +116,26 @@ def test_off_and_unbuildable_fall_back_to_onednn(monkeypatch, tmp_path):
     w = torch.randn(64, 32)
     try:
         monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "off")
-        cpu_gemm.reset()
+        cpu_decoder.reset()
         assert Linear(w).panel is None
         monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "auto")
         monkeypatch.setenv("SPIN_BATCH_CACHE", str(tmp_path))  # nothing built there yet
         monkeypatch.setenv("CC", "no-such-compiler")
-        cpu_gemm.reset()
+        cpu_decoder.reset()
         with pytest.warns(UserWarning, match="using oneDNN and torch instead"):
             lin = Linear(w)
         assert lin.panel is None
         torch.testing.assert_close(lin(torch.ones(2, 32)), torch.ones(2, 32) @ w.T)
         monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "on")
-        cpu_gemm.reset()
-        with pytest.raises(cpu_gemm.CpuGemmUnavailable, match="no-such-compiler"):
+        cpu_decoder.reset()
+        with pytest.raises(cpu_decoder.CpuDecoderUnavailable, match="no-such-compiler"):
             Linear(w)
         monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "sometimes")
         with pytest.raises(ValueError, match="auto, on or off"):
-            cpu_gemm.mode()
+            cpu_decoder.mode()
     finally:
         monkeypatch.undo()
-        cpu_gemm.reset()
+        cpu_decoder.reset()
 
 
 def test_a_failed_compile_says_why(monkeypatch, tmp_path):
@@ -146,12 +146,12 @@ def test_a_failed_compile_says_why(monkeypatch, tmp_path):
         monkeypatch.setenv("SPIN_BATCH_CACHE", str(tmp_path / "cache"))
         monkeypatch.setenv("CC", str(bad))
         monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "on")
-        cpu_gemm.reset()
-        with pytest.raises(cpu_gemm.CpuGemmUnavailable, match="internal error"):
-            cpu_gemm.library()
+        cpu_decoder.reset()
+        with pytest.raises(cpu_decoder.CpuDecoderUnavailable, match="internal error"):
+            cpu_decoder.library()
     finally:
         monkeypatch.undo()
-        cpu_gemm.reset()
+        cpu_decoder.reset()
 
 
 def test_run_says_so_when_the_kernel_is_required_but_cannot_build(monkeypatch, tmp_path, tiny_dir):
@@ -169,20 +169,20 @@ def test_run_says_so_when_the_kernel_is_required_but_cannot_build(monkeypatch, t
         monkeypatch.setenv("SPIN_BATCH_CACHE", str(tmp_path / "cache"))
         monkeypatch.setenv("CC", "no-such-compiler")
         monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "on")
-        cpu_gemm.reset()
+        cpu_decoder.reset()
         res = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
         assert res.exit_code == 1 and "SPIN_BATCH_CPU_GEMM=on but the kernel cannot be built" in res.output
         assert "Traceback" not in res.output
     finally:
         monkeypatch.undo()
-        cpu_gemm.reset()
+        cpu_decoder.reset()
 
 
 @pytest.mark.parametrize("M,C", [(1, 576), (16, 64), (3, 70), (0, 32)])
 def test_rms_norm_matches_torch(lib, M, C):
     g = torch.Generator().manual_seed(M + C)
     x, w = torch.randn(M, C, generator=g) * 3, torch.randn(C, generator=g)
-    got = cpu_gemm.rms_norm(lib, x, w, 1e-5)
+    got = cpu_decoder.rms_norm(lib, x, w, 1e-5)
     torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (C,), w, 1e-5), rtol=2e-6, atol=2e-6)
 
 
@@ -217,7 +217,7 @@ def test_attention_writes_the_cache_and_matches_the_torch_reference(lib, dtype):
     want_k, want_v = ck.clone(), cv.clone()
     for i, (s, p) in enumerate(zip(seg.token_slots.tolist(), seg.positions.tolist())):
         want_k[s, :, p], want_v[s, :, p] = qk[i, 9:], v[i]
-    out = cpu_gemm.attention(lib, qk[:, :9], qk[:, 9:], v, ck, cv, seg.token_slots, seg.positions)
+    out = cpu_decoder.attention(lib, qk[:, :9], qk[:, 9:], v, ck, cv, seg.token_slots, seg.positions)
     assert out.dtype == dtype and out.shape == (seg.num_tokens, 9, 64)
     assert torch.equal(ck, want_k) and torch.equal(cv, want_v)
     ref = attention_ref(qk[:, :9].double(), want_k.double(), want_v.double(), seg)
@@ -233,11 +233,11 @@ def test_a_rows_attention_does_not_depend_on_its_segment_or_batch(lib, dtype):
 
     (ck, cv), make = _attention_case(dtype, seed=3)
     qk, v = make(40)  # rows for slot 1, positions 150..189, written once
-    cpu_gemm.attention(lib, qk[:, :9], qk[:, 9:], v, ck, cv, torch.full((40,), 1), torch.arange(150, 190))
+    cpu_decoder.attention(lib, qk[:, :9], qk[:, 9:], v, ck, cv, torch.full((40,), 1), torch.arange(150, 190))
     want = {}
     for p in (150, 157, 189):  # each row alone, as a decode step over the full cache
         i = p - 150
-        want[p] = cpu_gemm.attention(lib, qk[i:i + 1, :9], qk[i:i + 1, 9:], v[i:i + 1], ck, cv,
+        want[p] = cpu_decoder.attention(lib, qk[i:i + 1, :9], qk[i:i + 1, 9:], v[i:i + 1], ck, cv,
                                      torch.tensor([1]), torch.tensor([p]))[0]
     for parts, first in [([(1, 40, 150)], 150),  # the prefill chunk
                          ([(0, 2, 10), (1, 8, 150), (3, 1, 77)], 150),  # a verify run among other slots
@@ -247,7 +247,7 @@ def test_a_rows_attention_does_not_depend_on_its_segment_or_batch(lib, dtype):
         a = seg.starts[[s for s, _, _ in parts].index(1)]
         n = [n for s, n, _ in parts if s == 1][0]
         ref_qk[a:a + n], ref_v[a:a + n] = qk[first - 150:first - 150 + n], v[first - 150:first - 150 + n]
-        out = cpu_gemm.attention(lib, ref_qk[:, :9], ref_qk[:, 9:], ref_v, ck.clone(), cv.clone(), seg.token_slots,
+        out = cpu_decoder.attention(lib, ref_qk[:, :9], ref_qk[:, 9:], ref_v, ck.clone(), cv.clone(), seg.token_slots,
                                  seg.positions)
         for p, row in want.items():
             if first <= p < first + n:
@@ -314,18 +314,22 @@ def test_a_rows_hidden_state_does_not_depend_on_its_batch(lib, tiny_dir):
 
 def test_a_new_source_replaces_this_machines_old_build(monkeypatch, tmp_path):
     monkeypatch.setenv("SPIN_BATCH_CACHE", str(tmp_path))
-    folder = tmp_path / "cpu_gemm"
-    folder.mkdir()
-    (folder / "cpu_gemm-0123456789abcdef.so").write_bytes(b"old naming scheme")
-    (folder / "cpu_gemm-othermachine0-0123456789ab.so").write_bytes(b"another kind of CPU")
-    first = cpu_gemm._build("cc")
-    source = tmp_path / "cpu_gemm.c"
-    source.write_text(cpu_gemm.SOURCE.read_text() + "\n/* a newer version */\n")
-    monkeypatch.setattr(cpu_gemm, "SOURCE", source)
-    second = cpu_gemm._build("cc")
+    folder, legacy = tmp_path / "cpu_decoder", tmp_path / "cpu_gemm"
+    legacy.mkdir()
+    (legacy / "cpu_gemm-0123456789abcdef.so").write_bytes(b"the first naming scheme")
+    (legacy / f"cpu_gemm-{cpu_decoder.machine_key()}-0123456789ab.so").write_bytes(b"this machine, the former name")
+    (legacy / "cpu_gemm-othermachine0-0123456789ab.so").write_bytes(b"another kind of CPU")
+    first = cpu_decoder._build("cc")
+    assert first.parent == folder and first.name.startswith("cpu_decoder-")
+    assert [p.name for p in legacy.glob("*.so")] == ["cpu_gemm-othermachine0-0123456789ab.so"]
+    source = tmp_path / "cpu_decoder.c"
+    source.write_text(cpu_decoder.SOURCE.read_text() + "\n/* a newer version */\n")
+    monkeypatch.setattr(cpu_decoder, "SOURCE", source)
+    second = cpu_decoder._build("cc")
     assert second != first and second.exists() and not first.exists()
-    assert sorted(p.name for p in folder.glob("*.so")) == sorted([second.name, "cpu_gemm-othermachine0-0123456789ab.so"])
-    assert cpu_gemm._build("cc") == second  # cached: no rebuild, nothing removed
+    assert [p.name for p in folder.glob("*.so")] == [second.name]
+    assert [p.name for p in legacy.glob("*.so")] == ["cpu_gemm-othermachine0-0123456789ab.so"]
+    assert cpu_decoder._build("cc") == second  # cached: no rebuild, nothing removed
 
 
 def test_bf16_many_rows_in_chunks_keep_each_rows_result(bf16_lib):
@@ -333,7 +337,7 @@ def test_bf16_many_rows_in_chunks_keep_each_rows_result(bf16_lib):
     row chunks, so its buffer is bounded whatever M is; a row's result still does not depend on its batch."""
     g = torch.Generator().manual_seed(9)
     w, x = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(700, 64, generator=g).bfloat16()
-    pw = cpu_gemm.PanelWeight(bf16_lib, w)
+    pw = cpu_decoder.PanelWeight(bf16_lib, w)
     full = pw(x)
     for lo, hi in [(0, 1), (239, 241), (250, 251), (480, 700)]:
         assert torch.equal(pw(x[lo:hi]), full[lo:hi]), (lo, hi)

@@ -1,4 +1,4 @@
-/* The decode loop's CPU kernels, built once per kind of machine by cpu_gemm.py: float32 and bfloat16 panel
+/* The decode loop's CPU kernels, built once per kind of machine by cpu_decoder.py: float32 and bfloat16 panel
  * GEMMs, the RMS norm, attention over the per-slot KV cache, and spin_decoder (all decoder layers of a
  * forward in one call). Every result of a row is computed alone, in a fixed order (see each part).
  *
