@@ -52,7 +52,10 @@ def ordered_table(out_dir: str | Path, *, errors: bool = True) -> pa.Table:
     if not any((out / OUTPUTS_DIR).glob("part-*.parquet")):
         raise ExportError(f"{out}: no output parts (nothing under {out / OUTPUTS_DIR}/part-*.parquet); "
                           "is this a job's output.dir, and has a run written rows yet?")
-    table = read_output_table(out)
+    return _in_order(read_output_table(out), errors)
+
+
+def _in_order(table: pa.Table, errors: bool = True) -> pa.Table:
     if not errors:
         table = table.filter(pc.not_equal(table.column("status"), "error"))
     order = sorted(range(table.num_rows), key=lambda i, s=table.column("source").to_pylist(): _position(s[i]))
@@ -124,12 +127,13 @@ def export(out_dir: str | Path, dest: str | Path, *, errors: bool = True, fmt: s
 
 def write_results(out_dir: str | Path, output_format: str, model: str) -> list[Path]:
     """The merged files ``output.format`` asks for (see the module doc), of every worker's rows present
-    now; returns their paths (none for parquet, whose parts are the output)."""
+    now (empty files where there are none); returns their paths (none for parquet, whose parts are
+    the output)."""
     wanted = {"parquet": [], "openai": [(RESULTS_JSONL, "openai")],
               "both": [(RESULTS_JSONL, "openai"), (RESULTS_PARQUET, "parquet")]}[output_format]
     if not wanted:
         return []
-    table = ordered_table(out_dir)
+    table = _in_order(read_output_table(out_dir))
     paths = []
     for name, fmt in wanted:
         _write(table, Path(out_dir) / name, fmt, model)

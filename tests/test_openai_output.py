@@ -125,6 +125,9 @@ def test_write_results_follows_output_format(tmp_path, out):
     table = pq.read_table(out / RESULTS_PARQUET)
     assert table.column("id").to_pylist() == ["a", "b", "c"]
     assert table.column("topic").to_pylist() == [None, "tale", None]  # the kept input column
+    empty = tmp_path / "empty"  # a run with no rows (an empty input) still ends with the files
+    assert write_results(empty, "openai", "m") == [empty / RESULTS_JSONL]
+    assert (empty / RESULTS_JSONL).read_bytes() == b""
 
 
 def test_export_jsonl_and_parquet_carry_the_kept_columns(tmp_path, out):

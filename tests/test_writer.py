@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from spin_batch.io import writer
+from spin_batch.io import columns, writer
 from spin_batch.io.writer import (
     OUTPUT_SCHEMA,
     OutputError,
@@ -322,7 +322,7 @@ def test_completion_row_fills_the_openai_columns() -> None:
     assert set(row) == set(OUTPUT_SCHEMA.names)  # the request keeps no columns
 
 
-def test_kept_columns_all_none_or_named_and_a_clash_gets_the_prefix() -> None:
+def test_kept_columns_come_back_and_a_clash_gets_the_prefix() -> None:
     keep = {"label": 3, "text": "the input's text", "input_text": "taken too", "meta": {"a": 1}}
     done = Completion(request(0, keep=keep), "generated", "stop", 2, 1)
     row = completion_row(done)
@@ -330,10 +330,11 @@ def test_kept_columns_all_none_or_named_and_a_clash_gets_the_prefix() -> None:
     assert {k: row[k] for k in keep if k != "text"} == {"label": 3, "input_text": "taken too", "meta": {"a": 1}}
     assert row["input_input_text"] == "the input's text"  # input_ was taken: the prefix again
     assert set(row) - set(OUTPUT_SCHEMA.names) == {"label", "input_text", "input_input_text", "meta"}
-    assert set(completion_row(done, keep="none")) == set(OUTPUT_SCHEMA.names)
-    named = completion_row(done, keep=("text", "absent"), prefix="in.")
+    named = completion_row(Completion(request(1, keep={"text": "t", "absent": None}), "g", "stop", 2, 1), prefix="in.")
     assert set(named) - set(OUTPUT_SCHEMA.names) == {"in.text", "absent"}
-    assert named["in.text"] == "the input's text" and named["absent"] is None
+    assert named["in.text"] == "t" and named["absent"] is None
+    assert columns.selected(["a", "b"], "all") == ["a", "b"] and columns.selected(["a", "b"], "none") == []
+    assert columns.selected(["a", "b"], ("c", "a")) == ["c", "a"]
 
 
 def test_kept_columns_round_trip_with_their_types_across_parts(tmp_path: Path) -> None:

@@ -54,12 +54,10 @@ def selected(names: Iterable[str], keep: KeepColumns) -> list[str]:
     return list(keep)
 
 
-def kept_values(values: Mapping[str, Any] | None, keep: KeepColumns, prefix: str,
-                taken: Collection[str]) -> dict[str, Any]:
-    """One row's kept input columns under their output names (see the module doc)."""
+def kept_values(values: Mapping[str, Any] | None, prefix: str, taken: Collection[str]) -> dict[str, Any]:
+    """One row's kept input columns (those the reader picked) under their output names."""
     values = values or {}
-    names = selected(values, keep)
-    return {new: values.get(old) for old, new in output_names(names, taken, prefix).items()}
+    return {new: values[old] for old, new in output_names(values, taken, prefix).items()}
 
 
 def is_json(f: pa.Field) -> bool:

@@ -331,11 +331,11 @@ def error_row(source: str, id: str | None, message: str, prompt_tokens: int = 0)
     }
 
 
-def completion_row(c: Completion, *, model: str | None = None, keep: columns.KeepColumns = "all",
-                   prefix: str = "input_", created: int | None = None) -> dict[str, Any]:
+def completion_row(c: Completion, *, model: str | None = None, prefix: str = "input_",
+                   created: int | None = None) -> dict[str, Any]:
     """The output row of one Completion: OUTPUT_SCHEMA's columns, then the input columns the
-    request carries (``keep``: all, none or a list; one named like an output column gets
-    ``prefix``, see :mod:`spin_batch.io.columns`).
+    request carries (``Request.keep``, as output.keep_columns picked them; one named like an output
+    column gets ``prefix``, see :mod:`spin_batch.io.columns`).
 
     ``endpoint`` is the request's OpenAI endpoint, else "chat" for a row with messages and
     "completion" for a prompt; ``model`` the request's own, else ``model`` (the job's target);
@@ -346,7 +346,7 @@ def completion_row(c: Completion, *, model: str | None = None, keep: columns.Kee
     row["endpoint"] = req.endpoint or ("chat" if req.messages is not None else "completion")
     row["model"] = req.model or model
     row["created"] = int(time.time()) if created is None else created
-    row.update(columns.kept_values(req.keep, keep, prefix, OUTPUT_SCHEMA.names))
+    row.update(columns.kept_values(req.keep, prefix, OUTPUT_SCHEMA.names))
     return row
 
 
