@@ -393,10 +393,14 @@ class InputConfig:
     """Where prompts come from and how rows are interpreted."""
 
     paths: tuple[str, ...]
-    format: Literal["auto", "jsonl", "parquet"] = "auto"
-    id_column: str = "id"
+    # auto: by suffix, and a JSONL file whose first row has custom_id and url/body is an OpenAI batch file
+    format: Literal["auto", "jsonl", "parquet", "openai"] = "auto"
+    id_column: str = "id"  # the column options are not used for OpenAI batch lines (the body is the request)
     prompt_column: str = "prompt"
     messages_column: str = "messages"
+    # a column holding each row's own sampling settings (an object: max_tokens, temperature, top_p,
+    # top_k, stop, seed; null or a field left out: the job's value)
+    params_column: str | None = None
     chat_template: Literal["auto", True, False] = "auto"
     system_prompt: str | None = None
     # a JSONL line longer than this becomes an error row without being read whole (memory stays bounded)
@@ -406,10 +410,11 @@ class InputConfig:
     def _parse(cls, s: _Section) -> InputConfig:
         return cls(
             paths=s.take("paths", _paths),
-            format=s.take("format", _choice("auto", "jsonl", "parquet")),
+            format=s.take("format", _choice("auto", "jsonl", "parquet", "openai")),
             id_column=s.take("id_column", _text()),
             prompt_column=s.take("prompt_column", _text()),
             messages_column=s.take("messages_column", _text()),
+            params_column=s.take("params_column", _optional(_text())),
             chat_template=s.take("chat_template", _choice("auto", True, False)),
             system_prompt=s.take("system_prompt", _optional(_text(nonempty=False))),
             max_line_bytes=s.take("max_line_bytes", _int(lo=1)),
