@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from spin_batch.io import reader
+from spin_batch.records import NO_PARAMS, RowParams
 from spin_batch.io.reader import (
     InputError,
     Request,
@@ -163,6 +164,79 @@ def test_workers_cover_every_row_exactly_once(tmp_path: Path, num_files: int) ->
     assert all(sources for sources in per_worker)
 
 
+def _dealt(shards: list[Path], workers: int) -> list[list[str]]:
+    return [[r.source for r in iter_requests(shards, shard_index=w, num_shards=workers)] for w in range(workers)]
+
+
+def test_fewer_files_than_workers_deals_rows_evenly(tmp_path: Path) -> None:
+    """3 workers over 1 file of 80 rows: 27 / 27 / 26, every row once."""
+    shards = list_shards([str(prompts_file(tmp_path / "one.jsonl", 0, 80))])
+    per_worker = _dealt(shards, 3)
+    assert [len(s) for s in per_worker] == [27, 27, 26]
+    combined = [s for sources in per_worker for s in sources]
+    assert sorted(combined) == sorted(r.source for r in iter_requests(shards)) and len(set(combined)) == 80
+    assert per_worker[1][:2] == [f"{shards[0]}#1", f"{shards[0]}#4"]  # the sources are the resume keys as before
+
+
+@pytest.mark.parametrize("sizes", [(3, 30, 2, 5, 40), (1, 1, 1, 1, 60)])
+def test_uneven_files_deal_rows(tmp_path: Path, sizes: tuple[int, ...]) -> None:
+    """4 workers over 5 uneven files (dealt whole, one worker would get most of the rows): rows are
+    dealt, and the workers' counts differ by at most one; JSONL and Parquet alike."""
+    start = 0
+    for i, n in enumerate(sizes):
+        prompts_file(tmp_path / f"f{i}{'.parquet' if i % 2 else '.jsonl'}", start, n)
+        start += n
+    shards = list_shards([str(tmp_path)])
+    assert assign(shards, 0, 4) == (shards, 4)
+    per_worker = _dealt(shards, 4)
+    counts = [len(s) for s in per_worker]
+    assert max(counts) - min(counts) <= 1 and sum(counts) == sum(sizes)
+    combined = [s for sources in per_worker for s in sources]
+    assert len(set(combined)) == len(combined) == sum(sizes)
+    for w in range(4):  # the rows the bar counts (runner.worker_rows) are the rows read
+        assert list(reader.worker_sources(shards, w, 4)) == per_worker[w]
+
+
+def test_even_files_are_dealt_whole(tmp_path: Path) -> None:
+    for i, n in enumerate((10, 12, 9, 11)):
+        prompts_file(tmp_path / f"f{i}.jsonl", i * 100, n)
+    shards = list_shards([str(tmp_path)])
+    assert assign(shards, 1, 2) == ([shards[1], shards[3]], None)  # 23 and 19 rows of 42
+    assert list(reader.worker_sources(shards, 1, 2)) == [r.source for r in iter_requests(shards, shard_index=1,
+                                                                                            num_shards=2)]
+
+
+def test_the_demo_prompts_are_dealt_by_rows_over_three_tasks() -> None:
+    """examples/prompts holds 8 + 37 + 35 rows: whole files gave three tasks 8 / 37 / 35."""
+    shards = list_shards([str(Path(__file__).resolve().parents[1] / "examples" / "prompts")])
+    assert [len(s) for s in _dealt(shards, 3)] == [27, 27, 26]
+
+
+def test_a_resumed_row_dealt_worker_reads_each_row_once(tmp_path: Path) -> None:
+    """A worker killed part way (its written rows are done_sources on the rerun) resumes with exactly
+    the rest of its own rows; together the workers read every row once."""
+    shards = list_shards([str(prompts_file(tmp_path / "one.jsonl", 0, 50))])
+    first = [r.source for r in itertools.islice(iter_requests(shards, shard_index=2, num_shards=3), 6)]
+    skipped: list[str] = []
+    rest = [r.source for r in iter_requests(shards, shard_index=2, num_shards=3, done_sources=set(first),
+                                            on_skip=lambda r: skipped.append(r.source))]
+    assert skipped == first and not set(first) & set(rest)
+    mine = first + rest
+    assert mine == _dealt(shards, 3)[2]
+    others = _dealt(shards, 3)[0] + _dealt(shards, 3)[1]
+    assert sorted(mine + others) == sorted(r.source for r in iter_requests(shards))
+
+
+def test_worker_sources_pass_rows_over_unparsed(tmp_path: Path) -> None:
+    """A bad line counts as a row (it is an error row) wherever it is dealt; blank lines do not."""
+    path = write_jsonl(tmp_path / "a.jsonl", [{"id": "a", "prompt": "p"}, "", b"{broken", {"id": "b", "prompt": "q"}])
+    shards = list_shards([str(path)])
+    assert list(reader.worker_sources(shards, 1, 2)) == [f"{shards[0]}#2"]
+    assert [r.error for r in iter_requests(shards, shard_index=1, num_shards=2)] == [
+        "invalid JSON: Expecting property name enclosed in double quotes (column 2)"]
+    assert reader.count_rows(shards[0]) == 3
+
+
 # --------------------------------------------------------------------------
 # iter_requests: good rows
 # --------------------------------------------------------------------------
@@ -281,6 +355,102 @@ def test_a_row_with_both_prompt_and_messages_is_an_error_row(tmp_path: Path) -> 
         assert one.ok and one.messages == tuple(chat)
     ray = reader.requests_from_rows([{"id": "e", "text": "x", "chat": chat}], prompt_column="text", messages_column="chat")
     assert ray[0].error.startswith("row has both 'text' and 'chat'")
+
+
+def test_params_column_jsonl_and_parquet(tmp_path: Path) -> None:
+    """input.params_column: an object (a Parquet struct) of sampling fields; null or a field left
+    out takes the job's value."""
+    params = [{"max_tokens": 5, "temperature": 0.5, "stop": ["\n"]}, None, {"top_k": 3, "seed": 9, "top_p": 0.5}]
+    jsonl = write_jsonl(tmp_path / "p.jsonl", [{"id": f"r{i}", "prompt": "x", "sampling": v} for i, v in enumerate(params)])
+    struct = pa.struct([("max_tokens", pa.int64()), ("temperature", pa.float64()), ("top_p", pa.float64()),
+                        ("top_k", pa.int32()), ("stop", pa.list_(pa.string())), ("seed", pa.int64())])
+    parquet = write_parquet(tmp_path / "p.parquet", {"id": ["r0", "r1", "r2"], "prompt": ["x"] * 3,
+                                                     "sampling": pa.array(params, struct)})
+    expected = [RowParams(max_tokens=5, temperature=0.5, stop=("\n",)), NO_PARAMS, RowParams(top_p=0.5, top_k=3, seed=9)]
+    for path in (jsonl, parquet):
+        got = all_requests(path, params_column="sampling")
+        assert [r.params for r in got] == expected and all(r.ok for r in got)
+        assert all(r.params == NO_PARAMS for r in all_requests(path))  # not read unless named
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"temperature": -1}, "sampling.temperature must be a number >= 0, got -1"),
+    ({"top_p": 0.0}, "sampling.top_p must be a number in (0, 1], got 0.0"),
+    ({"top_k": -3}, "sampling.top_k must be -1 or 0 (off) or an integer >= 1, got -3"),
+    ({"max_tokens": 0}, "sampling.max_tokens must be an integer >= 1, got 0"),
+    ({"seed": 1.5}, "sampling.seed must be an integer, got 1.5"),
+    ({"stop": ""}, 'sampling.stop must be a non-empty string, got ""'),
+    ({"temperature": "0.7"}, 'sampling.temperature must be a number, got "0.7"'),
+    ({"temperature": float("inf")}, "sampling.temperature must be a finite number, got Infinity"),
+    ({"temp": 0.7}, "sampling.temp is not a sampling field; the fields are max_tokens, max_completion_tokens, "),
+    ("hot", 'sampling must be an object with sampling fields'),
+])
+def test_a_bad_params_value_is_an_error_row(tmp_path: Path, value, message: str) -> None:
+    path = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "x", "sampling": value}, {"id": "b", "prompt": "y"}])
+    bad, fine = all_requests(path, params_column="sampling")
+    assert message in bad.error, bad.error
+    assert bad.id == "a" and bad.prompt is None and fine.ok
+
+
+def test_nan_in_a_params_column_is_an_error_row(tmp_path: Path) -> None:
+    path = tmp_path / "nan.jsonl"
+    path.write_text('{"id": "a", "prompt": "x", "sampling": {"top_p": NaN}}\n')
+    assert all_requests(path, params_column="sampling")[0].error == "sampling.top_p must be a finite number, got NaN"
+    parquet = write_parquet(tmp_path / "nan.parquet", {"id": ["a"], "prompt": ["x"],
+                                                       "sampling": [{"temperature": float("nan")}]})
+    assert "sampling.temperature must be a finite number" in all_requests(parquet, params_column="sampling")[0].error
+
+
+def test_a_parquet_shard_without_the_params_column_is_an_input_error(tmp_path: Path) -> None:
+    path = write_parquet(tmp_path / "a.parquet", {"id": ["a"], "prompt": ["x"]})
+    with pytest.raises(InputError, match=r"missing params column 'sampling' \(input.params_column\)"):
+        all_requests(path, params_column="sampling")
+    with pytest.raises(InputError, match="missing params column"):
+        reader.check_columns([path.resolve()], params_column="sampling")
+
+
+def test_keep_columns_jsonl(tmp_path: Path) -> None:
+    rows = [{"id": "a", "prompt": "x", "topic": "t", "n": 1, "sampling": None}, {"id": "b", "prompt": "y", "extra": [1]},
+            {"prompt": "z", "topic": "u"}]
+    path = write_jsonl(tmp_path / "k.jsonl", rows)
+    a, b, bad = all_requests(path, keep_columns="all", params_column="sampling")
+    assert a.keep == {"topic": "t", "n": 1} and b.keep == {"extra": [1]}  # not the request's own columns
+    assert not bad.ok and bad.keep is None  # no id: the row is not read further
+    a, b, _ = all_requests(path, keep_columns=["topic", "prompt"])
+    assert a.keep == {"topic": "t", "prompt": "x"} and b.keep == {"topic": None, "prompt": "y"}
+    assert all(r.keep is None for r in all_requests(path)) and all_requests(path, keep_columns="none")[0].keep is None
+
+
+def test_keep_columns_ride_along_on_error_rows(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "k.jsonl", [{"id": "a", "prompt": "", "topic": "t"}])
+    (row,) = all_requests(path, keep_columns="all")
+    assert row.error == "empty prompt" and row.keep == {"topic": "t"}
+
+
+def test_a_kept_value_that_is_not_valid_text_is_an_error_row(tmp_path: Path) -> None:
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"id": "a", "prompt": "x", "note": {"k": ["\\ud800"]}}\n')
+    (row,) = all_requests(path, keep_columns="all")
+    assert row.error.startswith("column 'note' holds a lone surrogate")
+    assert all_requests(path)[0].ok  # not kept: not looked at
+
+
+def test_keep_columns_parquet_reads_what_it_keeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_parquet(tmp_path / "k.parquet", {"id": ["a"], "prompt": ["x"], "topic": ["t"], "big": [b"\0" * 9]})
+    calls = []
+    original = pq.ParquetFile.iter_batches
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs["columns"])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    assert all_requests(path)[0].keep is None
+    assert all_requests(path, keep_columns="all")[0].keep == {"topic": "t", "big": b"\0" * 9}
+    assert all_requests(path, keep_columns=["topic"])[0].keep == {"topic": "t"}
+    assert calls == [["id", "prompt"], ["id", "prompt", "topic", "big"], ["id", "prompt", "topic"]]
+    with pytest.raises(InputError, match="missing column 'topc' named in output.keep_columns"):
+        all_requests(path, keep_columns=["topc"])
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,187 @@
+"""A row's own generation settings: one check for an OpenAI request body and a params column.
+
+Both name the same sampling fields (``max_tokens`` / ``max_completion_tokens``, ``temperature``,
+``top_p``, ``top_k``, ``stop``, ``seed``); :func:`row_params` checks them once and gives a
+:class:`RowParams`, a field absent or null taking the job's value. A bad value raises
+:class:`ParamError`, which the reader turns into an error row.
+
+An OpenAI body may hold more than sampling fields. :func:`body_params` accepts the few that do not
+change the text (``model``, which is echoed, ``user``, ``metadata`` ...) and fields that spin-batch
+cannot honour only at the value that changes nothing (``n: 1``, ``logprobs: false``,
+``presence_penalty: 0`` ...); any other field or value is an error, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from numbers import Integral, Real
+from typing import Any
+
+from ..records import NO_PARAMS, RowParams
+
+__all__ = ["SAMPLING_FIELDS", "ParamError", "body_params", "column_params", "row_params"]
+
+#: The per-row sampling fields, in an OpenAI body and in a params column alike.
+SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+
+#: Body fields that do not change the text: accepted and ignored (``model`` is echoed).
+IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options",
+                            "parallel_tool_calls"})
+
+#: Body fields spin-batch cannot honour, accepted only at the value that changes nothing (or null).
+NEUTRAL_VALUES: dict[str, Any] = {
+    "n": 1,
+    "best_of": 1,
+    "stream": False,
+    "logprobs": False,
+    "top_logprobs": 0,
+    "echo": False,
+    "suffix": "",
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,  # vLLM's extension
+    "min_tokens": 0,  # vLLM's extension
+    "min_p": 0,  # vLLM's extension
+    "logit_bias": {},
+    "tools": [],
+    "functions": [],
+    "tool_choice": "none",
+    "function_call": "none",
+    "response_format": {"type": "text"},
+}
+
+_INT64 = (-(2**63), 2**63 - 1)  # the seed's range (vLLM's, and what a torch generator takes)
+
+
+class ParamError(ValueError):
+    """A field the row cannot have: ``kind`` groups it in validate's summary, the message names it."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it (JSON), cut short."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _bad(name: str, expected: str, value: Any) -> ParamError:
+    return ParamError("bad params", f"{name} must be {expected}, got {_show(value)}")
+
+
+def _integer(name: str, value: Any, lo: int, hi: int | None = None, expected: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise _bad(name, "an integer", value)
+    if value < lo or (hi is not None and value > hi):
+        raise _bad(name, expected or f"an integer >= {lo}", value)
+    return int(value)
+
+
+def _number(name: str, value: Any, ok, expected: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise _bad(name, "a number", value)
+    if not math.isfinite(value):
+        raise _bad(name, "a finite number", value)
+    if not ok(value):
+        raise _bad(name, f"a number {expected}", value)
+    return float(value)
+
+
+def _stop(name: str, value: Any) -> tuple[str, ...]:
+    """A string or a list of strings, each non-empty; an empty list: no stop strings for the row."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise _bad(name, "a string or a list of strings", value)
+    for i, item in enumerate(items):
+        where = name if isinstance(value, str) else f"{name}[{i}]"
+        if not isinstance(item, str) or not item:
+            raise _bad(where, "a non-empty string", item)
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ParamError("bad params", f"{where} holds a lone surrogate, which is not valid Unicode text") from None
+    return tuple(items)
+
+
+def _top_k(name: str, value: Any) -> int:
+    """-1 or 0: off (vLLM's spellings; as sampling.top_k), else >= 1."""
+    return max(_integer(name, value, -1, expected="-1 or 0 (off) or an integer >= 1"), 0)
+
+
+def _max_tokens(fields: Mapping[str, Any], where: str) -> int | None:
+    """``max_completion_tokens`` (OpenAI's name now) or ``max_tokens``; both given must agree."""
+    given = {key: _integer(f"{where}{key}", fields[key], 1) for key in ("max_tokens", "max_completion_tokens")
+             if fields.get(key) is not None}
+    if len(set(given.values())) > 1:
+        raise ParamError("bad params", f"{where}max_tokens ({given['max_tokens']}) and {where}max_completion_tokens "
+                                       f"({given['max_completion_tokens']}) differ; give one of them")
+    return given.get("max_completion_tokens", given.get("max_tokens"))
+
+
+def row_params(fields: Mapping[str, Any], where: str = "") -> RowParams:
+    """The settings the sampling fields of ``fields`` ask for; an absent or null field is the job's.
+
+    ``where`` prefixes field names in messages (``"body."``). Raises ParamError for a wrong type,
+    a value out of range (temperature < 0, top_p outside (0, 1], max_tokens < 1, ...), NaN or inf.
+    """
+
+    def get(key: str, check) -> Any:
+        value = fields.get(key)
+        return None if value is None else check(f"{where}{key}", value)
+
+    return RowParams(
+        max_tokens=_max_tokens(fields, where),
+        temperature=get("temperature", lambda n, v: _number(n, v, lambda x: x >= 0, ">= 0")),
+        top_p=get("top_p", lambda n, v: _number(n, v, lambda x: 0 < x <= 1, "in (0, 1]")),
+        top_k=get("top_k", _top_k),
+        stop=get("stop", _stop),
+        seed=get("seed", lambda n, v: _integer(n, v, *_INT64, expected="a 64-bit signed integer")),
+    )
+
+
+def column_params(value: Any, column: str) -> RowParams:
+    """A plain row's params column: null (the job's settings) or an object of sampling fields."""
+    if value is None:
+        return NO_PARAMS
+    if not isinstance(value, Mapping):
+        raise _bad(column, f"an object with sampling fields ({', '.join(SAMPLING_FIELDS)})", value)
+    for key in value:
+        if key not in SAMPLING_FIELDS:
+            raise ParamError("bad params", f"{column}.{key} is not a sampling field; the fields are "
+                                           f"{', '.join(SAMPLING_FIELDS)}")
+    return row_params(value, f"{column}.")
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """``value == neutral``, where a bool is not a number (``true`` is not ``1``)."""
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+
+
+def body_params(body: Mapping[str, Any], content_field: str) -> RowParams:
+    """An OpenAI request body's settings. ``content_field`` is the endpoint's (``messages`` or
+    ``prompt``), read by the caller. Raises ParamError for a field spin-batch would have to ignore."""
+    for key, value in body.items():
+        if key == content_field or key in SAMPLING_FIELDS or key in IGNORED_FIELDS:
+            continue
+        if key in ("messages", "prompt"):
+            raise ParamError("unsupported field", f"body.{key} does not belong in this request: its endpoint "
+                                                  f"reads body.{content_field}")
+        if key in NEUTRAL_VALUES:
+            neutral = NEUTRAL_VALUES[key]
+            if value is None or _same(value, neutral):
+                continue
+            raise ParamError("unsupported field", f"body.{key} = {_show(value)} is not supported: it would change "
+                                                  f"the output, and spin-batch takes only {_show(neutral)} or null")
+        else:
+            raise ParamError("unsupported field", f"body.{key} is not supported (spin-batch reads the sampling "
+                                                  f"fields {', '.join(SAMPLING_FIELDS)}, and ignores only "
+                                                  f"{', '.join(sorted(IGNORED_FIELDS))})")
+    return row_params(body, "body.")
