@@ -35,8 +35,8 @@ from .engine.loop import BatchLoop, LoopSettings
 from .engine.policy import make_policy
 from .engine.sampling import SamplingParams
 from .fingerprint import check_fingerprint
-from .io.reader import (InputError, Request, _file_format, _jsonl_lines, _open_binary, assign, check_columns,
-                        check_input, iter_requests, list_shards, shard_defaults_from_env)
+from .io.reader import (InputError, Request, _file_format, assign, check_columns, check_input, count_rows,
+                        iter_requests, list_shards, shard_defaults_from_env, worker_sources)
 from .io.writer import (OutputWriter, StatsWriter, cleanup_temp, drop_superseded, make_run_id, read_done,
                         write_json_atomic)
 from .models import cpu_plan, loader
@@ -130,11 +130,13 @@ def validate_job(job: JobConfig, check_models_too: bool = True) -> list[str]:
     except ValueError as e:
         return [str(e)]
     problems = check_input(shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
-                           messages_column=job.input.messages_column, max_line_bytes=job.input.max_line_bytes)
+                           messages_column=job.input.messages_column, max_line_bytes=job.input.max_line_bytes,
+                           params_column=job.input.params_column, fmt=job.input.format,
+                           keep_columns=job.output.keep_columns)
     try:  # a column that none of the first rows of the first JSONL shard has (check_input counts bad rows)
         check_columns([p for p in shards if p.suffix != ".parquet"], id_column=job.input.id_column,
                       prompt_column=job.input.prompt_column, messages_column=job.input.messages_column,
-                      max_line_bytes=job.input.max_line_bytes)
+                      max_line_bytes=job.input.max_line_bytes, fmt=job.input.format)
     except InputError as e:
         problems.append(str(e))
     problems += check_output(job)
@@ -204,7 +206,7 @@ def make_encoder(tokenizer, job: JobConfig) -> Callable[[Request], list[int]]:
     def encode(req: Request) -> list[int]:
         if req.messages is not None:
             ids = render([dict(m) for m in req.messages])
-        elif template_prompts:
+        elif template_prompts and req.endpoint != "completion":  # an OpenAI /v1/completions prompt is raw text
             ids = render([{"role": "user", "content": req.prompt}])
         else:
             ids = tokenize(req.prompt)
@@ -364,7 +366,9 @@ def run_job(
     shards = list_shards(job.input.paths, job.input.format)
     mine, _ = assign(shards, shard_index, num_shards)
     check_columns(mine, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
-                  messages_column=job.input.messages_column, max_line_bytes=job.input.max_line_bytes)
+                  messages_column=job.input.messages_column, max_line_bytes=job.input.max_line_bytes,
+                  params_column=job.input.params_column, fmt=job.input.format,
+                  keep_columns=job.output.keep_columns)
     problems = check_output(job)
     if problems:
         raise ValueError(problems[0])
@@ -405,6 +409,8 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
         shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
         messages_column=job.input.messages_column, shard_index=shard_index, num_shards=num_shards,
         done_sources=done_sources, limit=limit, on_skip=count_skip, max_line_bytes=job.input.max_line_bytes,
+        params_column=job.input.params_column, fmt=job.input.format,
+        keep_columns=job.output.keep_columns,
     )
     writer = OutputWriter(out, worker=worker, run_id=run_id, rows_per_part=job.output.rows_per_part,
                           flush_interval_s=job.output.flush_interval_s)
@@ -541,8 +547,10 @@ def worker_rows(shards: list[Path], shard_index: int, num_shards: int, done_sour
                 jsonl_budget: int = JSONL_COUNT_BYTES) -> tuple[int | None, int | None]:
     """``(rows, done)``: how many input rows are this worker's, and how many of them ``done_sources``
     holds; None where it is not cheap to know (JSONL past ``jsonl_budget`` bytes, a file that cannot be
-    read: the run reports that when it gets there). Parquet rows come from the file metadata; JSONL rows
-    are counted as the reader yields them (a non-blank line, or one over max_line_bytes, is a row)."""
+    read: the run reports that when it gets there). The rows are those the reader deals this worker
+    (io.reader.assign: whole files, or every num_shards-th row): Parquet rows come from the file
+    metadata, JSONL rows are counted as the reader yields them (a non-blank line, or one over
+    max_line_bytes, is a row), unparsed."""
     files, modulo = assign(shards, shard_index, num_shards)
     done = None
     if modulo is None:  # whole files: their rows' sources start with their paths
@@ -551,33 +559,12 @@ def worker_rows(shards: list[Path], shard_index: int, num_shards: int, done_sour
     try:
         if sum(Path(p).stat().st_size for p in files if _file_format(Path(p)) != "parquet") > jsonl_budget:
             return None, done
-        total = done_modulo = global_row = 0
-        for p in files:
-            path = Path(p).resolve()
-            if modulo is None and _file_format(path) == "parquet":
-                import pyarrow.parquet as pq
-
-                total += pq.ParquetFile(path).metadata.num_rows
-                continue
-            for i in _row_indices(path, max_line_bytes):
-                if modulo is None or global_row % modulo == shard_index:
-                    total += 1
-                    if modulo is not None:
-                        done_modulo += f"{path}#{i}" in done_sources
-                global_row += 1
+        if modulo is None:
+            return sum(count_rows(p, max_line_bytes) for p in files), done
+        total = done_mine = 0
+        for source in worker_sources(shards, shard_index, num_shards, max_line_bytes):
+            total += 1
+            done_mine += source in done_sources
     except Exception:  # noqa: BLE001  an unreadable file is the run's to report, when it gets there
         return None, done
-    return total, done if modulo is None else done_modulo
-
-
-def _row_indices(path: Path, max_line_bytes: int):
-    """The row indices (the part of a source after '#') of a shard's rows, in order."""
-    if _file_format(path) == "parquet":
-        import pyarrow.parquet as pq
-
-        yield from range(pq.ParquetFile(path).metadata.num_rows)
-        return
-    with _open_binary(path) as handle:
-        for i, raw in _jsonl_lines(path, handle, max_line_bytes):
-            if isinstance(raw, int) or raw.strip():
-                yield i
+    return total, done_mine
