@@ -11,7 +11,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from spin_batch.io import reader
-from spin_batch.records import NO_PARAMS, RowParams
 from spin_batch.io.reader import (
     InputError,
     Request,
@@ -21,6 +20,9 @@ from spin_batch.io.reader import (
     list_shards,
     shard_defaults_from_env,
 )
+from spin_batch.records import NO_PARAMS, RowParams
+
+from test_cli_e2e import _isolate_process_state  # noqa: F401  (autouse: a real run below installs signal handlers)
 
 # --------------------------------------------------------------------------
 # helpers
@@ -688,3 +690,50 @@ def test_check_input_max_rows(tmp_path: Path) -> None:
 
 def test_reader_module_exports() -> None:
     assert set(reader.__all__) >= {"Request", "InputError", "list_shards", "iter_requests", "check_input"}
+
+
+# --------------------------------------------------------------------------
+# a row-dealt worker killed and resumed (a real run)
+# --------------------------------------------------------------------------
+
+
+def test_a_row_dealt_worker_killed_and_resumed_writes_each_row_once(tmp_path: Path, tiny_dir: Path) -> None:
+    """3 workers over one file (rows dealt): worker 1 is killed with SIGKILL part way and rerun; with
+    workers 0 and 2 every row is written once, worker 1 wrote exactly its dealt rows."""
+    import os
+    import signal
+    import subprocess
+
+    from test_cli_e2e import (RESUME_SECTIONS, _describe, cli_command, invoke, make_job, part_files, prompt_rows,
+                              read_rows, wait_for_parts)
+
+    rows = prompt_rows(90)
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    job, out = make_job(tmp_path, tiny_dir, [src], **RESUME_SECTIONS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    stderr = tmp_path / "proc.stderr"
+    with open(stderr, "wb") as err:
+        proc = subprocess.Popen([*cli_command(), "run", str(job), "--no-progress", "--shard-index", "1",
+                                 "--num-shards", "3"], stdout=subprocess.DEVNULL, stderr=err, env=env)
+    try:
+        wait_for_parts(proc, out, 2, stderr)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    partial = len(read_rows(out))
+    assert 1 <= partial < 30, "kill -9 did not interrupt the run"
+    mine = {r["id"] for r in rows[1::3]}
+    assert {r["id"] for r in read_rows(out)} <= mine
+    for w in (1, 0, 2):
+        result = invoke("run", job, "--no-progress", "--shard-index", w, "--num-shards", 3)
+        assert result.exit_code == 0, _describe(result)
+        if w == 1:
+            written = [r["id"] for r in read_rows(out)]
+            assert sorted(written) == sorted(mine)  # the killed worker's own rows, each once
+    ids = [r["id"] for r in read_rows(out)]
+    assert sorted(ids) == sorted(r["id"] for r in rows)
+    assert {p.name.split("-")[1] for p in part_files(out)} == {"w0000", "w0001", "w0002"}
