@@ -6,7 +6,7 @@ import pytest
 
 from spin_batch.drafters.base import Drafter, DraftRequest, Proposal
 from spin_batch.drafters.cascade import CascadeDrafter
-from spin_batch.engine.sampling import SamplingParams
+from spin_batch.sampling import SamplingParams
 
 
 class Table(Drafter):
@@ -19,7 +19,7 @@ class Table(Drafter):
         self.paths = paths
         self.asked: list[list[int]] = []
 
-    def propose(self, reqs, sp):
+    def propose(self, reqs):
         self.asked.append([r.slot for r in reqs])
         return Proposal([list(self.paths.get(r.slot, []))[: r.gamma] for r in reqs], [None] * len(reqs))
 
@@ -32,7 +32,7 @@ def test_first_member_with_enough_tokens_drafts_and_later_members_see_only_the_r
     lookup = Table("lookup", {0: [1, 2, 3], 1: [4], 2: []})
     model = Table("model", {0: [9, 9], 1: [5, 6], 2: [8]})
     cascade = CascadeDrafter("c", {"lookup": lookup, "model": model}, min_tokens=2)
-    prop = cascade.propose(reqs([0, 1, 2]), SamplingParams())
+    prop = cascade.propose(reqs([0, 1, 2]))
     assert prop.tokens == [[1, 2, 3], [5, 6], [8]]
     assert lookup.asked == [[0, 1, 2]] and model.asked == [[1, 2]]  # slot 0 never reaches the model
     assert cascade.stats() == {"drafted_by.lookup": 1, "drafted_by.model": 2}
@@ -42,9 +42,9 @@ def test_the_last_member_is_taken_as_it_is_and_nothing_runs_once_every_slot_is_s
     lookup = Table("lookup", {0: [1, 2]})
     model = Table("model", {})
     cascade = CascadeDrafter("c", {"lookup": lookup, "model": model}, min_tokens=2)
-    assert cascade.propose(reqs([0]), SamplingParams()).tokens == [[1, 2]]
+    assert cascade.propose(reqs([0])).tokens == [[1, 2]]
     assert model.asked == []
-    assert cascade.propose(reqs([1]), SamplingParams()).tokens == [[]]  # the model proposed nothing either
+    assert cascade.propose(reqs([1])).tokens == [[]]  # the model proposed nothing either
 
 
 def test_min_tokens_is_capped_by_gamma():
@@ -52,7 +52,7 @@ def test_min_tokens_is_capped_by_gamma():
     lookup = Table("lookup", {0: [1, 2]})
     model = Table("model", {0: [9]})
     cascade = CascadeDrafter("c", {"lookup": lookup, "model": model}, min_tokens=2)
-    assert cascade.propose(reqs([0], gamma=1), SamplingParams()).tokens == [[1]]
+    assert cascade.propose(reqs([0], gamma=1)).tokens == [[1]]
     assert model.asked == []
 
 
@@ -61,12 +61,12 @@ def test_requests_reach_the_members_unchanged():
     seen = []
 
     class Spy(Table):
-        def propose(self, rs, sp):
+        def propose(self, rs):
             seen.extend((r.gamma, r.min_prob) for r in rs)
-            return super().propose(rs, sp)
+            return super().propose(rs)
 
     cascade = CascadeDrafter("c", {"a": Spy("a", {}), "b": Spy("b", {})})
-    cascade.propose(reqs([0], gamma=3, min_prob=0.25), SamplingParams())
+    cascade.propose(reqs([0], gamma=3, min_prob=0.25))
     assert seen == [(3, 0.25), (3, 0.25)]
 
 

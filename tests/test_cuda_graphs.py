@@ -1,6 +1,7 @@
 """CUDA graphs of the short forwards (models/cuda_graphs.py).
 
-The switch is checked everywhere. The replays themselves need a GPU with the Triton kernels
+The switch (the job's execution: on wherever the Triton kernels run on CUDA, SPIN_BATCH_CUDA_GRAPHS
+overriding) is checked everywhere. The replays themselves need a GPU with the Triton kernels
 compiled (scripts/gpu_check.sh runs this file there): a replayed forward must equal the eager
 Triton forward bit for bit, logits and cache both, and the greedy loop must give the same tokens
 with graphs on and off, speculative or not.
@@ -16,40 +17,47 @@ import torch
 from spin_batch.drafters.model import ModelDrafter
 from spin_batch.drafters.ngram import NgramDrafter
 from spin_batch.engine.loop import BatchLoop, LoopSettings
-from spin_batch.engine.policy import FixedDrafter, NoSpeculation
-from spin_batch.engine.sampling import SamplingParams
-from spin_batch.io.reader import Request
+from spin_batch.selection.fixed import FixedDrafter, NoSpeculation
+from spin_batch.sampling import SamplingParams
+from spin_batch.records import Request
 from spin_batch.models import cuda_graphs
-from spin_batch.models.loader import load_model, load_tokenizer
+from spin_batch.models.execution import ENV_GRAPHS, Execution
+from spin_batch.models.loader import ExecutionError, load_model, load_tokenizer, resolve_execution
 from spin_batch.models.segments import Segments
 
 ON_GPU = torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
 gpu = pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU with compiled Triton kernels")
 
 
-def test_mode_switch(monkeypatch):
+def test_graphs_switch(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.delenv(cuda_graphs.ENV, raising=False)
-    assert cuda_graphs.mode() == "auto"
-    assert not cuda_graphs.enabled(cpu, None)
-    assert not cuda_graphs.enabled(cpu, object())  # kernels forced on for CPU tensors: the interpreter, no graphs
-    monkeypatch.setenv(cuda_graphs.ENV, " OFF ")
-    assert not cuda_graphs.enabled(torch.device("cuda"), object())
-    monkeypatch.setenv(cuda_graphs.ENV, "sometimes")
-    with pytest.raises(ValueError, match="on, off or auto"):
-        cuda_graphs.mode()
-    monkeypatch.setenv(cuda_graphs.ENV, "on")
-    with pytest.raises(RuntimeError, match="needs a CUDA device and the Triton kernels"):
-        cuda_graphs.enabled(cpu, None)
-    with pytest.raises(RuntimeError, match="kernels off"):
-        cuda_graphs.enabled(torch.device("cuda"), None)
+    monkeypatch.delenv(ENV_GRAPHS, raising=False)
+    monkeypatch.delenv("SPIN_BATCH_KERNELS", raising=False)
+    assert not resolve_execution("auto", cpu).cuda_graphs
+    if not ON_GPU:  # Triton on CPU tensors: the interpreter, no graphs
+        assert resolve_execution("triton", cpu).triton and not resolve_execution("triton", cpu).cuda_graphs
+    if torch.cuda.is_available():
+        assert resolve_execution("auto", torch.device("cuda")).cuda_graphs
+        monkeypatch.setenv(ENV_GRAPHS, " OFF ")
+        assert not resolve_execution("auto", torch.device("cuda")).cuda_graphs
+    monkeypatch.setenv(ENV_GRAPHS, "sometimes")
+    with pytest.raises(ExecutionError, match="on, off or auto"):
+        resolve_execution("auto", cpu)
+    monkeypatch.setenv(ENV_GRAPHS, "on")
+    with pytest.raises(ExecutionError, match=r"needs a CUDA device and the Triton kernels \(device cpu"):
+        resolve_execution("torch", cpu)
+    if torch.cuda.is_available():
+        with pytest.raises(ExecutionError, match="Triton kernels off"):
+            resolve_execution("torch", torch.device("cuda"))
 
 
 def test_cpu_model_has_no_graphs_and_rejects_forced_graphs(tiny_dir, monkeypatch):
-    monkeypatch.delenv(cuda_graphs.ENV, raising=False)
+    monkeypatch.delenv(ENV_GRAPHS, raising=False)
     assert load_model(tiny_dir).graphs is None
-    monkeypatch.setenv(cuda_graphs.ENV, "on")
-    with pytest.raises(RuntimeError, match=cuda_graphs.ENV):
+    # a model given graphs where there is no CUDA (built outside the loader) has none all the same
+    assert load_model(tiny_dir, execution=Execution(cuda_graphs=True)).graphs is None
+    monkeypatch.setenv(ENV_GRAPHS, "on")
+    with pytest.raises(ExecutionError, match=ENV_GRAPHS):
         load_model(tiny_dir)
 
 
@@ -69,7 +77,7 @@ def test_segments_make_device_tensors_once_and_lazily():
 
 def _cuda_model(tiny_dir, monkeypatch, graphs: str):
     monkeypatch.setenv("SPIN_BATCH_KERNELS", "auto")
-    monkeypatch.setenv(cuda_graphs.ENV, graphs)
+    monkeypatch.setenv(ENV_GRAPHS, graphs)
     return load_model(tiny_dir, device="cuda")
 
 

@@ -15,7 +15,7 @@ from spin_batch.distill.net import DraftArch, DraftNet, parse_sizes, save_draft
 from spin_batch.distill.train import agreement
 from spin_batch.drafters.base import DraftRequest
 from spin_batch.drafters.model import ModelDrafter
-from spin_batch.engine.sampling import SamplingParams, make_generator
+from spin_batch.sampling import SamplingParams, make_generator
 from spin_batch.models.distilled import DRAFT_KEY, check_pairing, fingerprint, load_draft
 from spin_batch.models.loader import load_model, load_tokenizer
 from spin_batch.models.segments import Segments
@@ -234,12 +234,12 @@ def test_subset_head_proposes_only_kept_target_ids(tiny_distilled_plain, tiny_di
     kept = set(model.vocab_ids.tolist())
     drafter = ModelDrafter("d", model, model.allocate_cache(4, 128))
     sp = SamplingParams() if greedy else SamplingParams(1.0)
-    reqs = [DraftRequest(slot=i, tokens=tok.encode(p), gamma=6, gen=make_generator(0, str(i)))
+    reqs = [DraftRequest(slot=i, tokens=tok.encode(p), gamma=6, gen=make_generator(0, str(i)), sp=sp)
             for i, p in enumerate(TRAIN_PROMPTS[:4])]
     for _ in range(3):  # several proposals per slot; sampling draws different tokens each time
         for r in reqs:
             drafter.on_commit(r.slot, r.tokens)  # nothing was accepted: the drafter rewinds
-        prop = drafter.propose(reqs, sp)
+        prop = drafter.propose(reqs)
         for r, toks, q in zip(reqs, prop.tokens, prop.probs):
             assert len(toks) == 6 and set(toks) <= kept
             if not greedy:

@@ -190,20 +190,19 @@ def arch_dir(request, tmp_path_factory, tiny_dir):
 def _loop_greedy(model, tok, prompts: list[str], slots: int, max_tokens: int) -> tuple[list[list[int]], list[str]]:
     """Our batch loop, greedy with EOS ignored: the generated ids and text of each prompt."""
     from spin_batch.engine.loop import BatchLoop, LoopSettings
-    from spin_batch.engine.policy import NoSpeculation
-    from spin_batch.engine.sampling import SamplingParams
-    from spin_batch.io.reader import Request
+    from spin_batch.selection.fixed import NoSpeculation
+    from spin_batch.sampling import SamplingParams
+    from spin_batch.records import Request
 
     settings = LoopSettings(slots=slots, max_model_len=64, max_num_batched_tokens=32, max_tokens=max_tokens,
                             sampling=SamplingParams(), ignore_eos=True)
     loop = BatchLoop(model, tok, settings, NoSpeculation(), {}, model.allocate_cache(slots, settings.max_model_len))
-    ids_of, rows = {}, []
-    loop.on_finish = lambda s: ids_of.__setitem__(s.req.id, list(s.generated))
+    done = []
     reqs = [Request(source=f"mem#{i}", id=str(i), prompt=p, messages=None) for i, p in enumerate(prompts)]
-    loop.run(iter(reqs), lambda r: tok.encode(r.prompt), rows.append)
-    assert [r["status"] for r in rows] == ["ok"] * len(prompts), rows
-    text_of = {r["id"]: r["text"] for r in rows}
-    return [ids_of[str(i)] for i in range(len(prompts))], [text_of[str(i)] for i in range(len(prompts))]
+    loop.run(iter(reqs), lambda r: tok.encode(r.prompt), done.append)
+    assert [c.status for c in done] == ["ok"] * len(prompts), done
+    by_id = {c.request.id: c for c in done}
+    return [list(by_id[str(i)].token_ids) for i in range(len(prompts))], [by_id[str(i)].text for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("arch_dir", list(ARCHITECTURES), indirect=True)

@@ -272,9 +272,9 @@ def test_eos_ids_follow_transformers_generate(tmp_path, tiny_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from spin_batch.engine.loop import BatchLoop, LoopSettings
-    from spin_batch.engine.policy import NoSpeculation
-    from spin_batch.engine.sampling import SamplingParams
-    from spin_batch.io.reader import Request
+    from spin_batch.selection.fixed import NoSpeculation
+    from spin_batch.sampling import SamplingParams
+    from spin_batch.records import Request
     from spin_batch.runner import eos_ids
 
     model = build_tiny_model(tmp_path / "m", layers=2, seed=9, tokenizer_dir=tiny_dir)
@@ -294,8 +294,8 @@ def test_eos_ids_follow_transformers_generate(tmp_path, tiny_dir):
                                 sampling=SamplingParams(), eos_token_ids=ids)
         loop = BatchLoop(target, tok, settings, NoSpeculation(), {}, target.allocate_cache(1, 64))
         got = []
-        loop.on_finish = lambda s: got.append(list(s.generated))
-        loop.run(iter([Request(source="m#0", id="0", prompt="", messages=None)]), lambda r: prompt, lambda row: None)
+        loop.run(iter([Request(source="m#0", id="0", prompt="", messages=None)]), lambda r: prompt,
+                 lambda c: got.append(list(c.token_ids)))
         return got[0]
 
     free = hf_generate(16, 16)

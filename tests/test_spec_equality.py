@@ -17,9 +17,10 @@ from spin_batch.drafters.early_exit import EarlyExitDrafter
 from spin_batch.drafters.model import ModelDrafter
 from spin_batch.drafters.ngram import NgramDrafter, lookup
 from spin_batch.engine.loop import BatchLoop, LoopSettings
-from spin_batch.engine.policy import Choice, FixedDrafter, NoSpeculation, Policy
-from spin_batch.engine.sampling import SamplingParams
-from spin_batch.io.reader import Request
+from spin_batch.selection.fixed import FixedDrafter, NoSpeculation
+from spin_batch.selection.policy import Choice, Policy
+from spin_batch.sampling import SamplingParams
+from spin_batch.records import Completion, Request
 from spin_batch.models import cpu_plan
 from spin_batch.models.loader import load_model, load_tokenizer
 
@@ -49,7 +50,7 @@ class RandomDrafter(Drafter):
         self.vocab = vocab
         self.gen = torch.Generator().manual_seed(0)
 
-    def propose(self, reqs: list[DraftRequest], sp: SamplingParams) -> Proposal:
+    def propose(self, reqs: list[DraftRequest]) -> Proposal:
         return Proposal([torch.randint(0, self.vocab, (r.gamma,), generator=self.gen).tolist() for r in reqs],
                         [None] * len(reqs))
 
@@ -96,16 +97,14 @@ def run(loop: BatchLoop, prompts=PROMPTS) -> dict[str, list[int]]:
     """Greedy token ids per request id."""
     tok = loop.tok
     reqs = [Request(source=f"mem#{i}", id=str(i), prompt=p, messages=None) for i, p in enumerate(prompts)]
-    ids_of: dict[str, list[int]] = {}
-    rows: list[dict] = []
+    done: list[Completion] = []
 
     def encode(r: Request) -> list[int]:
         return tok.encode(r.prompt)
 
-    loop.on_finish = lambda s: ids_of.__setitem__(s.req.id, list(s.generated))
-    loop.run(iter(reqs), encode, rows.append)
-    assert len(rows) == len(prompts) and all(r["status"] == "ok" for r in rows)
-    return ids_of
+    loop.run(iter(reqs), encode, done.append)
+    assert len(done) == len(prompts) and all(c.status == "ok" for c in done)
+    return {c.request.id: list(c.token_ids) for c in done}
 
 
 @pytest.fixture(scope="module")
@@ -282,20 +281,20 @@ def test_ngram_gate_learns_its_acceptance_per_match_length():
     d = NgramDrafter("ngram", 1, 3)
     sp = SamplingParams()
     text = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # a 3-gram match: drafts 4, 5, 6
-    assert d.propose([DraftRequest(0, text, 3, None)], sp).tokens == [[4, 5, 6]]
+    assert d.propose([DraftRequest(0, text, 3, None)]).tokens == [[4, 5, 6]]
     d.on_commit(0, text + [4, 5, 6, 9])  # all three accepted, then a bonus token
     assert d.rate(3) == pytest.approx(6 / 7)  # prior 3:1, then 3 accepted
-    assert d.propose([DraftRequest(0, text, 3, None)], sp).tokens == [[4, 5, 6]]
+    assert d.propose([DraftRequest(0, text, 3, None)]).tokens == [[4, 5, 6]]
     d.on_commit(0, text + [4, 7])  # one accepted, then a correction
     assert d.rate(3) == pytest.approx(7 / 9)
     # a floor of 0.5 keeps l tokens while (7/9)^l >= 0.5: two of them
-    assert d.propose([DraftRequest(0, text, 3, None)], sp).tokens == [[4, 5, 6]]  # ungated: all
+    assert d.propose([DraftRequest(0, text, 3, None)]).tokens == [[4, 5, 6]]  # ungated: all
     d.on_admit(0)  # a new request: the pending draft is dropped, the statistics stay
-    assert d.propose([DraftRequest(0, text, 3, None, min_prob=0.5)], sp).tokens == [[4, 5]]
+    assert d.propose([DraftRequest(0, text, 3, None, min_prob=0.5)]).tokens == [[4, 5]]
     # a 1-gram match still has the prior rate 0.75: two tokens at floor 0.5, none at 0.8
     one = [7, 8, 9, 7]
-    assert d.propose([DraftRequest(1, one, 3, None, min_prob=0.5)], sp).tokens == [[8, 9]]
-    assert d.propose([DraftRequest(1, one, 3, None, min_prob=0.8)], sp).tokens == [[]]
+    assert d.propose([DraftRequest(1, one, 3, None, min_prob=0.5)]).tokens == [[8, 9]]
+    assert d.propose([DraftRequest(1, one, 3, None, min_prob=0.8)]).tokens == [[]]
 
 
 @pytest.mark.parametrize("slots", [1, 8])
@@ -312,7 +311,7 @@ def test_confidence_gated_ngram_equals_autoregressive(target, reference, slots):
 
 @pytest.mark.parametrize("selector", ["ucb", "thompson", "round_robin", "none"])
 def test_bandit_selectors_equal_autoregressive(target, reference, tiny_draft_dir, selector):
-    from spin_batch.engine.policy import make_policy
+    from spin_batch.selection.factory import make_policy
 
     factories = [early_exit_all, early_exit_1, other_model_factory(tiny_draft_dir), ngram]
     names = ["exit_all", "exit_1", "other", "ngram"]
@@ -405,7 +404,7 @@ def test_kernels_forced_on_sampling_runs_the_fused_accept(kernel_target, tiny_dr
         outs.append(run(lp, KERNEL_PROMPTS))
         assert lp.stats.summary()["drafters"]["other"]["draft_tokens"] > 0
     assert outs[0] == outs[1]
-    assert calls and all(not sp.greedy for sp in calls)
+    assert calls and all(not sp.greedy for sps in calls for sp in sps)
     assert all(len(v) == MAX_TOKENS for v in outs[0].values())
 
 

@@ -9,7 +9,7 @@ import torch
 
 from spin_batch.drafters.model import ModelDrafter
 from spin_batch.engine import verify
-from spin_batch.engine.sampling import SamplingParams, probs_from_logits
+from spin_batch.sampling import SamplingParams, probs_from_logits
 from spin_batch.engine.verify import accept_greedy, accept_sampling
 
 V = 8
@@ -48,7 +48,7 @@ def test_greedy_mixed_batch():
 def test_sampling_with_certain_target_behaves_like_greedy():
     logits = one_hot_logits([2, 5, 0, 6, 1, 1, 2, 3]) * 20  # p is one-hot up to e^-100
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    v = accept_sampling(logits, [[2, 4], [], [1, 1, 2]], [None, None, None], gens, SamplingParams(1.0))
+    v = accept_sampling(logits, [[2, 4], [], [1, 1, 2]], [None, None, None], gens, [SamplingParams(1.0)] * 3)
     assert v.accepted == [1, 0, 3]
     assert v.tokens == [[2, 5], [6], [1, 1, 2, 3]]
 
@@ -181,7 +181,7 @@ def test_vote_proposal_is_lossless_under_sampling():
             super().__init__(name)
             self.path = path
 
-        def propose(self, reqs, sp):
+        def propose(self, reqs):
             return Proposal([list(self.path) for _ in reqs], [None] * len(reqs))
 
     p_logits, _ = _problem()
@@ -191,8 +191,8 @@ def test_vote_proposal_is_lossless_under_sampling():
     gen = torch.Generator().manual_seed(9)
     counts = torch.zeros(V)
     for _ in range(N_SAMPLES):
-        prop = vote.propose([DraftRequest(0, [0], 2, gen)], sp)
-        v = accept_sampling(p_logits[: len(prop.tokens[0]) + 1], prop.tokens, prop.probs, [gen], sp)
+        prop = vote.propose([DraftRequest(0, [0], 2, gen, sp=sp)])
+        v = accept_sampling(p_logits[: len(prop.tokens[0]) + 1], prop.tokens, prop.probs, [gen], [sp])
         counts[v.tokens[0][0]] += 1
     ok, z = _within_bound(p[0], counts)
     assert ok, f"off by {z:.1f} sigma"
@@ -258,8 +258,8 @@ def test_confidence_gate_keeps_sampling_exact():
     drafter = _TableDraft(q1, q2)
 
     def propose(gen):
-        reqs = [DraftRequest(i, [0], 2, gen, min_prob=floor) for i in range(N_SAMPLES)]
-        prop = drafter.propose(reqs, sp)
+        reqs = [DraftRequest(i, [0], 2, gen, min_prob=floor, sp=sp) for i in range(N_SAMPLES)]
+        prop = drafter.propose(reqs)
         return prop.tokens, prop.probs
 
     first, second, lengths = _gated_outputs(propose, p, q1, q2, N_SAMPLES, seed=17)
@@ -295,7 +295,7 @@ def test_the_bound_catches_a_gate_that_looks_at_the_drawn_token():
 def test_sample_draws_from_the_given_distribution_and_never_a_zero_token():
     """sample() inverts a float64 CDF: frequencies within the bound of p (given unnormalised), no draw
     of a probability-0 token, and a one-token distribution always gives that token."""
-    from spin_batch.engine.sampling import sample
+    from spin_batch.sampling import sample
 
     g = torch.Generator().manual_seed(2)
     w = torch.rand(V, generator=g)
@@ -327,7 +327,7 @@ def test_cascade_of_a_lookup_and_a_gated_model_is_lossless_under_sampling():
     class Lookup(Drafter):
         gates = True
 
-        def propose(self, reqs, sp):  # two tokens for even slots, one (too few) for odd ones
+        def propose(self, reqs):  # two tokens for even slots, one (too few) for odd ones
             return Proposal([[1, 2] if r.slot % 2 == 0 else [3] for r in reqs], [None] * len(reqs))
 
     p_logits, q1, q2, floor = _gated_problem()
@@ -337,8 +337,8 @@ def test_cascade_of_a_lookup_and_a_gated_model_is_lossless_under_sampling():
     assert cascade.gates
 
     def propose(gen):
-        reqs = [DraftRequest(i, [0], 2, gen, min_prob=floor) for i in range(N_SAMPLES)]
-        prop = cascade.propose(reqs, sp)
+        reqs = [DraftRequest(i, [0], 2, gen, min_prob=floor, sp=sp) for i in range(N_SAMPLES)]
+        prop = cascade.propose(reqs)
         assert prop.tokens[0] == [1, 2] and prop.probs[0] is None and prop.probs[1] is not None
         return prop.tokens, prop.probs
 
@@ -349,3 +349,71 @@ def test_cascade_of_a_lookup_and_a_gated_model_is_lossless_under_sampling():
     ok2, z2 = _within_bound(p[1], second)
     assert ok1, f"first token off by {z1:.1f} sigma"
     assert ok2, f"second token off by {z2:.1f} sigma"
+
+
+# -- per-row settings: one batch, each request its own temperature / top-k / top-p ------------
+
+_MIXED = [SamplingParams(), SamplingParams(1.0), SamplingParams(0.6, top_k=5, top_p=0.9)]
+
+
+def _mixed_batch_outputs(sps_of, n_per, seed):
+    """n_per speculative steps (gamma 2, drafts drawn from each request's own q) per setting, run as
+    batches in which the settings alternate segment by segment; the output tokens per setting."""
+    p_logits, q_raw = _problem()
+    gen = torch.Generator().manual_seed(seed)
+    q_of = [None if sp.greedy else probs_from_logits(torch.log(q_raw), sp) for sp in _MIXED]
+    out = {i: [] for i in range(len(_MIXED))}
+    per_call = 300
+    kinds = [j % len(_MIXED) for j in range(per_call)]
+    logits = torch.cat([p_logits for _ in kinds])  # [3 * per_call, V]
+    for _ in range(n_per * len(_MIXED) // per_call):
+        drafts, qs, gens = [], [], []
+        for j, k in enumerate(kinds):
+            q = q_of[k]
+            if q is None:  # a greedy request: alternately the argmax path (accepted) and a miss
+                drafts.append(p_logits[:2].argmax(-1).tolist() if j % 2 else [1, 2])
+            else:
+                drafts.append([_draft_sample(q[0], gen), _draft_sample(q[1], gen)])
+            qs.append(q)
+            gens.append(None if q is None else gen)
+        v = verify.accept_sampling(logits, drafts, qs, gens, sps_of(kinds))
+        for k, toks in zip(kinds, v.tokens):
+            out[k].append(toks)
+    return p_logits, out
+
+
+def test_mixed_settings_in_one_batch_each_follow_their_own_distribution():
+    """Greedy, T=1 and T=0.6 with top-k/top-p requests verified together: greedy ones decode the
+    argmax path exactly, the others' first and second tokens follow their own p."""
+    p_logits, out = _mixed_batch_outputs(lambda kinds: [_MIXED[k] for k in kinds], 12_000, seed=31)
+    best = p_logits.argmax(-1).tolist()
+    assert all(t == best[: len(t)] for t in out[0])
+    assert any(len(t) == 3 for t in out[0]) and any(len(t) == 1 for t in out[0])
+    for k in (1, 2):
+        p = probs_from_logits(p_logits, _MIXED[k])
+        first = torch.bincount(torch.tensor([t[0] for t in out[k]]), minlength=V).float()
+        second = torch.bincount(torch.tensor([t[1] for t in out[k] if len(t) > 1]), minlength=V).float()
+        for pos, counts in ((0, first), (1, second)):
+            ok, z = _within_bound(p[pos], counts)
+            assert ok, f"setting {k}, position {pos}: off by {z:.1f} sigma"
+
+
+def test_the_bound_catches_one_setting_applied_to_a_mixed_batch():
+    """The wrong rule: the first request's temperature for every row of the batch."""
+    p_logits, out = _mixed_batch_outputs(lambda kinds: [_MIXED[1]] * len(kinds), 3_000, seed=31)
+    p = probs_from_logits(p_logits, _MIXED[2])
+    first = torch.bincount(torch.tensor([t[0] for t in out[2]]), minlength=V).float()
+    ok, z = _within_bound(p[0], first)
+    assert not ok and z > 2 * SIGMAS, f"off by only {z:.1f} sigma"
+
+
+def test_probs_per_row_is_each_rows_own_transform():
+    from spin_batch.sampling import probs_per_row
+
+    logits = torch.randn(7, V, generator=torch.Generator().manual_seed(4)) * 2
+    sps = [_MIXED[i % 3] for i in range(7)]
+    got = probs_per_row(logits, sps)
+    for i, sp in enumerate(sps):
+        want = (torch.nn.functional.one_hot(logits[i].argmax(), V).float() if sp.greedy
+                else probs_from_logits(logits[i : i + 1], sp)[0])
+        assert torch.equal(got[i], want), i

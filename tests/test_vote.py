@@ -6,7 +6,7 @@ import pytest
 
 from spin_batch.drafters.base import Drafter, DraftRequest, Proposal
 from spin_batch.drafters.vote import VoteDrafter, agrees, vote_path
-from spin_batch.engine.sampling import SamplingParams
+from spin_batch.sampling import SamplingParams
 
 
 def test_majority_path_wins_over_heaviest_single_member():
@@ -34,7 +34,7 @@ class Fixed(Drafter):
         super().__init__(name)
         self.path = path
 
-    def propose(self, reqs, sp):
+    def propose(self, reqs):
         return Proposal([list(self.path[: r.gamma]) for r in reqs], [None] * len(reqs))
 
 
@@ -42,7 +42,7 @@ def test_weights_follow_the_weighted_majority_rule():
     vote = VoteDrafter("v", {"a": Fixed("a", [1, 2]), "b": Fixed("b", [1, 3]), "c": Fixed("c", [])}, beta=0.5)
     vote.on_admit(0)
     prompt = [7, 7]
-    prop = vote.propose([DraftRequest(0, prompt, 2, None)], SamplingParams())
+    prop = vote.propose([DraftRequest(0, prompt, 2, None)])
     assert prop.tokens == [[1, 2]] and prop.probs == [None]
     vote.on_commit(0, prompt + [1, 3])  # target accepted 1, corrected to 3: b was right, a wrong
     w = vote.weights[0]
@@ -51,12 +51,12 @@ def test_weights_follow_the_weighted_majority_rule():
     assert vote.pooled == pytest.approx(w)
     assert agrees([1, 3, 9], [1, 3]) is True and agrees([], [1]) is None
     # the next proposal now follows b
-    assert vote.propose([DraftRequest(0, prompt + [1, 3], 2, None)], SamplingParams()).tokens == [[1, 3]]
+    assert vote.propose([DraftRequest(0, prompt + [1, 3], 2, None)]).tokens == [[1, 3]]
 
 
 def test_new_requests_start_from_pooled_weights():
     vote = VoteDrafter("v", {"a": Fixed("a", [1]), "b": Fixed("b", [2])}, beta=0.1, slots=2)
-    vote.propose([DraftRequest(0, [5], 1, None)], SamplingParams())
+    vote.propose([DraftRequest(0, [5], 1, None)])
     vote.on_commit(0, [5, 2])
     vote.on_admit(1)
     assert vote.weights[1] == pytest.approx(vote.pooled) and vote.weights[1][1] > 0.8

@@ -7,7 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.sampling import SamplingParams
+from ..sampling import GREEDY, SamplingParams
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share (a draft's accepted length against what was committed)."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 @dataclass
@@ -22,6 +30,7 @@ class DraftRequest:
     # a position where the product of its top probabilities would fall below this. The test uses
     # only the draft distributions, never the sampled token, so it keeps sampling exact. 0: off.
     min_prob: float = 0.0
+    sp: SamplingParams = GREEDY  # the request's own sampling settings (greedy: argmax, q None)
 
 
 @dataclass
@@ -43,7 +52,7 @@ class Drafter(ABC):
         self.name = name
 
     @abstractmethod
-    def propose(self, reqs: list[DraftRequest], sp: SamplingParams) -> Proposal: ...
+    def propose(self, reqs: list[DraftRequest]) -> Proposal: ...
 
     def on_commit(self, slot: int, tokens: list[int]) -> None:
         """After verification: the slot's committed tokens (prompt + generated), read only."""

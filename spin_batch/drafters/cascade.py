@@ -20,7 +20,6 @@ and commits them itself, and a model member catches up on the steps it sat out.
 
 from __future__ import annotations
 
-from ..engine.sampling import SamplingParams
 from .base import Drafter, DraftRequest, Proposal
 
 
@@ -38,7 +37,7 @@ class CascadeDrafter(Drafter):
         self.gates = all(m.gates for m in members.values())  # the floor reaches every member
         self.counters = {f"drafted_by.{n}": 0 for n in members}
 
-    def propose(self, reqs: list[DraftRequest], sp: SamplingParams) -> Proposal:
+    def propose(self, reqs: list[DraftRequest]) -> Proposal:
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list = [None for _ in reqs]
         open_ = list(range(len(reqs)))
@@ -46,7 +45,7 @@ class CascadeDrafter(Drafter):
         for k, (name, member) in enumerate(self.members.items()):
             if not open_:
                 break
-            prop = member.propose([reqs[i] for i in open_], sp)
+            prop = member.propose([reqs[i] for i in open_])
             still = []
             for j, i in enumerate(open_):
                 draft = prop.tokens[j]

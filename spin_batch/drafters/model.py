@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.sampling import SamplingParams, probs_from_logits, sample
+from ..sampling import probs_per_row, sample
 from ..models.cache import KVCache
 from ..models.distilled import TargetFeatures
 from ..models.llama import LlamaModel
@@ -43,7 +43,7 @@ class ModelDrafter(Drafter):
         return self.lens[r.slot]
 
     @torch.inference_mode()
-    def propose(self, reqs: list[DraftRequest], sp: SamplingParams) -> Proposal:
+    def propose(self, reqs: list[DraftRequest]) -> Proposal:
         drafts: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
         # Round 0 feeds what each slot's cache has not seen; later rounds feed the last draft token.
@@ -54,7 +54,7 @@ class ModelDrafter(Drafter):
             seg = Segments.build([(reqs[i].slot, len(feeds[i]), starts[i]) for i in live], self.model.device)
             flat = torch.tensor([t for i in live for t in feeds[i]], dtype=torch.long, device=self.model.device)
             logits, nxt = self._step(flat, seg, None if extras is None else torch.cat([extras[i] for i in live]))
-            top = self._top_prob(logits, sp) if any(reqs[i].min_prob > 0 for i in live) else None
+            top = self._top_prob(logits, [reqs[i] for i in live]) if any(reqs[i].min_prob > 0 for i in live) else None
             keep = []
             for j, i in enumerate(live):
                 self._seen(reqs[i], starts[i] + len(feeds[i]), first=not drafts[i])
@@ -64,7 +64,7 @@ class ModelDrafter(Drafter):
                         continue  # decided from q alone, before any token is drawn from it
                 keep.append(j)
             picks = self._pick(logits[keep] if len(keep) < len(live) else logits,
-                               [reqs[live[j]] for j in keep], sp, [qs[live[j]] for j in keep])
+                               [reqs[live[j]] for j in keep], [qs[live[j]] for j in keep])
             still = []
             for pick, j in zip(picks, keep):
                 i = live[j]
@@ -76,12 +76,15 @@ class ModelDrafter(Drafter):
                         extras[i] = nxt[j : j + 1]
                     still.append(i)
             live = still
-        return Proposal(drafts, [None if sp.greedy or not q else torch.stack(q) for q in qs])
+        return Proposal(drafts, [torch.stack(q) if q else None for q in qs])
 
     @staticmethod
-    def _top_prob(logits: torch.Tensor, sp: SamplingParams) -> list[float]:
+    def _top_prob(logits: torch.Tensor, reqs: list[DraftRequest]) -> list[float]:
         """Per row, the draft's largest probability: of its greedy pick, or the mode of the q it samples from."""
-        probs = logits.float().softmax(-1) if sp.greedy else probs_from_logits(logits, sp)
+        probs = probs_per_row(logits, [r.sp for r in reqs])
+        greedy = [i for i, r in enumerate(reqs) if r.sp.greedy]
+        if greedy:  # the softmax of a greedy row (its probs_per_row row is one-hot)
+            probs[greedy] = logits[greedy].float().softmax(-1)
         return probs.max(-1).values.tolist()
 
     def _catch_up(self, reqs: list[DraftRequest]) -> tuple[list[int], list[list[int]], list[torch.Tensor] | None]:
@@ -97,17 +100,21 @@ class ModelDrafter(Drafter):
         """The cache now holds this slot's tokens up to `end` (drafts included; on_commit trims them)."""
         self.lens[req.slot] = end
 
-    def _pick(self, logits: torch.Tensor, reqs: list[DraftRequest], sp: SamplingParams,
-              qs: list[list[torch.Tensor]]) -> list[int]:
-        """One draft token per row of logits (target ids); under sampling, appends each row's q to qs."""
-        if sp.greedy:
-            rows = logits.argmax(-1)
-            return (rows if self.vocab_ids is None else self.vocab_ids[rows]).tolist()
-        probs = self._full_vocab(probs_from_logits(logits, sp))
+    def _pick(self, logits: torch.Tensor, reqs: list[DraftRequest], qs: list[list[torch.Tensor]]) -> list[int]:
+        """One draft token per row of logits (target ids): a greedy request's argmax; a sampling
+        request's draw from its q, which is appended to its qs."""
+        rows = logits.argmax(-1)  # [M]
+        best = (rows if self.vocab_ids is None else self.vocab_ids[rows]).tolist()
+        if all(r.sp.greedy for r in reqs):
+            return best
+        probs = self._full_vocab(probs_per_row(logits, [r.sp for r in reqs]))  # [M, V]
         picks = []
         for j, r in enumerate(reqs):
-            qs[j].append(probs[j])
-            picks.append(sample(probs[j], r.gen))
+            if r.sp.greedy:
+                picks.append(best[j])
+            else:
+                qs[j].append(probs[j])
+                picks.append(sample(probs[j], r.gen))
         return picks
 
     def _full_vocab(self, probs: torch.Tensor) -> torch.Tensor:

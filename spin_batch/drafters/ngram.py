@@ -12,9 +12,7 @@ a deterministic function of the context, so this changes what is proposed, never
 
 from __future__ import annotations
 
-from ..engine.sampling import SamplingParams
-from ..engine.verify import common_prefix
-from .base import Drafter, DraftRequest, Proposal
+from .base import Drafter, DraftRequest, Proposal, common_prefix
 
 
 def lookup_match(tokens: list[int], gamma: int, min_ngram: int, max_ngram: int) -> tuple[int, list[int]]:
@@ -53,7 +51,7 @@ class NgramDrafter(Drafter):
         acc, rej = self.outcomes[n]
         return acc / (acc + rej)
 
-    def propose(self, reqs: list[DraftRequest], sp: SamplingParams) -> Proposal:
+    def propose(self, reqs: list[DraftRequest]) -> Proposal:
         drafts = []
         for r in reqs:
             n, draft = lookup_match(r.tokens, r.gamma, self.min_ngram, self.max_ngram)

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.sampling import SamplingParams
-from ..engine.verify import common_prefix
-from .base import Drafter, DraftRequest, Proposal
+from .base import Drafter, DraftRequest, Proposal, common_prefix
 
 
 def vote_path(paths: list[list[int]], weights: list[float]) -> tuple[list[int], list[int]]:
@@ -77,8 +75,8 @@ class VoteDrafter(Drafter):
         self.weights[slot] = list(self.pooled)
         self.pending[slot] = None
 
-    def propose(self, reqs: list[DraftRequest], sp: SamplingParams) -> Proposal:
-        props = [m.propose(reqs, sp) for m in self.members.values()]
+    def propose(self, reqs: list[DraftRequest]) -> Proposal:
+        props = [m.propose(reqs) for m in self.members.values()]
         drafts = []
         for j, r in enumerate(reqs):
             paths = [p.tokens[j][: r.gamma] for p in props]

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..drafters.base import Drafter, DraftRequest, Proposal
-from ..io.reader import Request
-from ..io.writer import error_row
 from ..models.cache import KVCache
 from ..models.llama import LlamaModel
 from ..models.segments import Segments
 from ..stats import RunStats, StepRecord
-from .policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
-from .sampling import SamplingParams, make_generator
+from ..selection.policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
+from ..records import Completion, Request
+from ..sampling import SamplingParams, make_generator
+from .stopping import Stopping, StopRule
 from .verify import Verdict, accept_drafts
 
 
@@ -33,7 +33,7 @@ class LoopSettings:
     slots: int
     max_model_len: int
     max_num_batched_tokens: int
-    max_tokens: int
+    max_tokens: int  # the job's; a row's own params override it, as they do sampling, seed and stop
     sampling: SamplingParams
     seed: int = 0
     stop: tuple[str, ...] = ()
@@ -50,7 +50,9 @@ class Slot:
     req: Request
     prompt_len: int
     tokens: list[int]  # prompt + generated, committed
-    gen: torch.Generator | None
+    sp: SamplingParams  # this request's sampling settings
+    rule: StopRule  # when it is done
+    gen: torch.Generator | None  # its random stream (sampling only)
     prefilled: int = 0  # prompt tokens already in the target cache
     spec_steps: int = 0
     draft_tokens: int = 0
@@ -102,8 +104,8 @@ class BatchLoop:
         self.drafters = drafters or {}
         self.stats = stats or RunStats()
         self.slots: list[Slot | None] = [None] * settings.slots
-        self.pending_rows: list[dict] = []  # finished rows not yet handed out
-        self.on_finish: Callable[[Slot], None] | None = None  # observer (bench, tests): sees each finished slot
+        self.finished: list[Completion] = []  # finished requests not yet handed out
+        self.stopping = Stopping(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         self._stream: torch.cuda.Stream | None = None
         # Target-feature buffers of the drafters that read them (one shared buffer, normally).
         self._features = list({id(d.features): d.features for d in self.drafters.values()
@@ -113,11 +115,29 @@ class BatchLoop:
 
     def admit(self, req: Request, prompt_ids: list[int]) -> None:
         idx = self.slots.index(None)
-        gen = None if self.cfg.sampling.greedy else make_generator(self.cfg.seed, req.id or req.source)
-        self.slots[idx] = Slot(idx, req, len(prompt_ids), list(prompt_ids), gen)
+        sp, rule = self.settings_of(req)
+        gen = None if sp.greedy else make_generator(self.cfg.seed, req.id or req.source, req.params.seed)
+        self.slots[idx] = Slot(idx, req, len(prompt_ids), list(prompt_ids), sp, rule, gen)
         for d in self.drafters.values():
             d.on_admit(idx)
         self.policy.on_admit(idx, req.id)
+
+    def settings_of(self, req: Request) -> tuple[SamplingParams, StopRule]:
+        """A request's sampling settings and stop rule: the job's, overridden by the row's own."""
+        cfg, own = self.cfg, req.params
+        job = cfg.sampling
+        sp = SamplingParams(
+            temperature=job.temperature if own.temperature is None else own.temperature,
+            top_k=job.top_k if own.top_k is None else own.top_k,
+            top_p=job.top_p if own.top_p is None else own.top_p,
+        )
+        rule = StopRule(
+            max_tokens=cfg.max_tokens if own.max_tokens is None else own.max_tokens,
+            max_model_len=cfg.max_model_len,
+            stop=cfg.stop if own.stop is None else own.stop,
+            eos=frozenset() if cfg.ignore_eos else cfg.eos_token_ids,
+        )
+        return sp, rule
 
     @property
     def free_slots(self) -> int:
@@ -129,8 +149,8 @@ class BatchLoop:
 
     # -- one step -----------------------------------------------------------------------
 
-    def step(self) -> list[dict]:
-        """Advance every active slot by one verified segment; return finished rows.
+    def step(self) -> list[Completion]:
+        """Advance every active slot by one verified segment; return the requests it finished.
 
         Without the pipeline: one micro-batch, so one packed target forward. With it, the
         decoding slots form two micro-batches balanced by tokens; the second one drafts while
@@ -167,8 +187,8 @@ class BatchLoop:
             if overlap is not None:
                 self._overlap_end()
                 (proposal, draft_s), times = nxt, nxt_times
-        rows, self.pending_rows = self.pending_rows, []
-        return rows
+        done, self.finished = self.finished, []
+        return done
 
     def _micro_batches(self, decode: list[Slot], choices: list[Choice]) -> list[tuple[list[Slot], list[Choice]]]:
         """One micro-batch, or two balanced by verify tokens (1 + gamma) when the pipeline is on.
@@ -242,10 +262,10 @@ class BatchLoop:
             if c.drafter is not None and c.gamma > 0:
                 by_drafter.setdefault(c.drafter, []).append(i)
         for name, idxs in by_drafter.items():
-            reqs = [DraftRequest(decode[i].index, decode[i].tokens, choices[i].gamma, decode[i].gen, choices[i].min_prob)
-                    for i in idxs]
+            reqs = [DraftRequest(decode[i].index, decode[i].tokens, choices[i].gamma, decode[i].gen, choices[i].min_prob,
+                                 decode[i].sp) for i in idxs]
             t0 = time.perf_counter()
-            prop = self.drafters[name].propose(reqs, self.cfg.sampling)
+            prop = self.drafters[name].propose(reqs)
             seconds[name] = time.perf_counter() - t0
             for i, d, q in zip(idxs, prop.tokens, prop.probs):
                 tokens[i] = d[: choices[i].gamma]
@@ -291,8 +311,8 @@ class BatchLoop:
         drafts = plan.drafts + [[] for _ in plan.finishing]
         kernels = getattr(self.target, "kernels", None) or None  # the Triton path (CUDA, or forced on)
         probs = proposal.probs + [None for _ in plan.finishing]
-        gens = [s.gen for s in plan.decode] + [s.gen for s in plan.finishing]
-        return accept_drafts(kernels, logits, drafts, probs, gens, self.cfg.sampling)
+        served = plan.decode + plan.finishing
+        return accept_drafts(kernels, logits, drafts, probs, [s.gen for s in served], [s.sp for s in served])
 
     def commit(self, plan: Plan, verdict: Verdict) -> int:
         """Append new tokens, roll caches back to the committed length, finish and free slots."""
@@ -321,7 +341,7 @@ class BatchLoop:
     def _gamma_cap(self, s: Slot) -> int:
         """Draft room: the verify segment must fit the context, and drafts past max_tokens are waste."""
         room_ctx = self.cfg.max_model_len - len(s.tokens)
-        room_out = self.cfg.max_tokens - len(s.generated) - 1
+        room_out = s.rule.max_tokens - len(s.generated) - 1
         return max(0, min(room_ctx, room_out))
 
     @staticmethod
@@ -332,62 +352,21 @@ class BatchLoop:
             s.share_s += seconds / len(served)
 
     def _append(self, s: Slot, new: list[int]) -> int:
-        added = 0
-        for t in new:
-            s.tokens.append(t)
-            added += 1
-            if t in self.cfg.eos_token_ids and not self.cfg.ignore_eos:
-                s.finish_reason = "stop"
-            elif len(s.generated) >= self.cfg.max_tokens or len(s.tokens) >= self.cfg.max_model_len:
-                s.finish_reason = "length"
-            if s.finish_reason:
-                break
-        if self.cfg.stop and self._stop_in_tail(s, added):
-            # The completion ends with the token that completes the first stop string, as it would one
-            # token a step: a step that accepted several tokens drops those after it.
-            gen = s.generated
-            for n in range(len(gen) - added + 1, len(gen) + 1):
-                text = self.tok.decode(gen[:n], skip_special_tokens=True)
-                cut = min((text.find(x) for x in self.cfg.stop if x in text), default=-1)
-                if cut >= 0:
-                    del s.tokens[len(s.tokens) - (len(gen) - n):]
-                    added -= len(gen) - n
-                    s.finish_reason, s.text = "stop", text[:cut]
-                    break
-        return added
-
-    def _stop_in_tail(self, s: Slot, added: int) -> bool:
-        """Whether a stop string may end in this step's tokens: decodes only a short tail, not the
-        whole completion at every step (a token decodes to at least one character but for rare
-        partial bytes, so 4 tokens per stop character plus slack covers it)."""
-        window = added + 4 * max(len(x) for x in self.cfg.stop) + 8
-        tail = self.tok.decode(s.generated[-window:], skip_special_tokens=True)
-        return any(x in tail for x in self.cfg.stop)
+        got = self.stopping.extend(s.tokens, s.prompt_len, new, s.rule)
+        if got.finish_reason is not None:
+            s.finish_reason, s.text = got.finish_reason, got.text
+        return got.added
 
     def _finish(self, s: Slot) -> None:
         gen = s.generated
-        if s.text is None:
-            body = gen[:-1] if gen and gen[-1] in self.cfg.eos_token_ids and not self.cfg.ignore_eos else gen
-            s.text = self.tok.decode(body, skip_special_tokens=True)
-        self.pending_rows.append({
-            "id": s.req.id,
-            "source": s.req.source,
-            "text": s.text,
-            "finish_reason": s.finish_reason,
-            "prompt_tokens": s.prompt_len,
-            "completion_tokens": len(gen),
-            "status": "ok",
-            "error": None,
-            "num_spec_steps": s.spec_steps,
-            "num_draft_tokens": s.draft_tokens,
-            "num_accepted_draft_tokens": s.accepted_tokens,
-            "mean_acceptance_length": (s.accepted_tokens + s.spec_steps) / s.spec_steps if s.spec_steps else None,
-            "drafter_pulls": dict(s.pulls),
-            "decode_time_s": time.perf_counter() - s.t_start,
-        })
+        text = s.text if s.text is not None else self.stopping.text(gen, s.rule)
+        self.finished.append(Completion(
+            s.req, text, s.finish_reason, s.prompt_len, len(gen),
+            num_spec_steps=s.spec_steps, num_draft_tokens=s.draft_tokens, num_accepted_draft_tokens=s.accepted_tokens,
+            drafter_pulls=dict(s.pulls), decode_time_s=time.perf_counter() - s.t_start,
+            token_ids=tuple(gen), share_s=s.share_s,
+        ))
         self.stats.observe_row("ok", s.prompt_len)
-        if self.on_finish is not None:
-            self.on_finish(s)
         self.slots[s.index] = None
 
     def _record(self, plan: Plan, choices: list[Choice], verdict: Verdict, generated: int,
@@ -423,14 +402,14 @@ class BatchLoop:
         self,
         requests: Iterator[Request],
         encode: Callable[[Request], list[int]],
-        emit: Callable[[dict], None],
+        emit: Callable[[Completion], None],
         should_stop: Callable[[], bool] = lambda: False,
         after_step: Callable[[], None] = lambda: None,
     ) -> None:
-        """Decode every request of the stream; hand each finished or failed row to emit.
+        """Decode every request of the stream; hand each one's Completion (or error) to emit.
 
         encode(req) returns the prompt token ids, or raises ValueError for a bad row (which is
-        emitted as an error row). When should_stop() turns true, no new request is admitted
+        emitted as a failed Completion). When should_stop() turns true, no new request is admitted
         and the loop returns after the current step; requests in flight are not emitted (nor
         the one request read ahead: the loop reads one past a full batch, so that the policy
         learns at once when nothing is left to admit, see Policy.on_drain).
@@ -449,29 +428,28 @@ class BatchLoop:
                     held = req  # every slot is busy: the stream has more, so this is no drain yet
                     break
                 else:
-                    row = self._admit_or_error(req, encode)
-                    if row is not None:
-                        emit(row)
+                    failed = self._admit_or_error(req, encode)
+                    if failed is not None:
+                        emit(failed)
             if not self.active or should_stop():
                 return
-            for row in self.step():
-                emit(row)
+            for done in self.step():
+                emit(done)
             after_step()
 
-    def _admit_or_error(self, req: Request, encode: Callable[[Request], list[int]]) -> dict | None:
+    def _admit_or_error(self, req: Request, encode: Callable[[Request], list[int]]) -> Completion | None:
         if req.error is not None:
             self.stats.observe_row("error", 0)
-            return error_row(req.source, req.id, req.error)
+            return Completion.failed(req, req.error)
         try:
             ids = encode(req)
         except ValueError as e:
             self.stats.observe_row("error", 0)
-            return error_row(req.source, req.id, str(e))
+            return Completion.failed(req, str(e))
         if len(ids) + 1 > self.cfg.max_model_len:
             self.stats.observe_row("error", 0)
-            return error_row(req.source, req.id,
-                             f"prompt has {len(ids)} tokens; max_model_len {self.cfg.max_model_len} leaves no room "
-                             "to generate", prompt_tokens=len(ids))
+            return Completion.failed(req, f"prompt has {len(ids)} tokens; max_model_len {self.cfg.max_model_len} "
+                                          "leaves no room to generate", prompt_tokens=len(ids))
         self.admit(req, ids)
         return None
 

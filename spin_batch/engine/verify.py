@@ -23,7 +23,8 @@ from typing import Callable
 
 import torch
 
-from .sampling import SamplingParams, inverse_cdf, probs_from_logits, uniform, uniform64
+from ..drafters.base import common_prefix
+from ..sampling import SamplingParams, inverse_cdf, probs_from_logits, probs_per_row, uniform, uniform64
 
 
 @dataclass
@@ -44,13 +45,10 @@ class Uniforms:
         """Drawn from the request's stream when needed: a test per draft reached, then the token."""
         return cls(lambda i: uniform(gen), lambda: uniform64(gen))
 
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens a and b share."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    @classmethod
+    def zeros(cls) -> Uniforms:
+        """For a greedy segment in a sampled batch: its p is one-hot, so any uniform decides alike."""
+        return cls(lambda i: 0.0, lambda: 0.0)
 
 
 def segment_rows(drafts: list[list[int]]) -> list[int]:
@@ -73,12 +71,19 @@ def accept_sampling(
     target_logits: torch.Tensor,  # [R, V]
     drafts: list[list[int]],  # [S]
     draft_probs: list[torch.Tensor | None],  # [S] each [gamma_i, V] q, or None for a deterministic draft
-    gens: list[torch.Generator],  # [S] each request's own random stream
-    sp: SamplingParams,
+    gens: list[torch.Generator | None],  # [S] each request's own random stream (None: a greedy request)
+    sps: list[SamplingParams],  # [S] each request's settings; greedy ones decide by argmax
 ) -> Verdict:
-    """Speculative rejection sampling; the output is distributed exactly as sampling from p."""
-    rands = [Uniforms.from_generator(g) for g in gens]
-    return rejection_sample_segments(probs_from_logits(target_logits, sp), drafts, draft_probs, rands)
+    """Speculative rejection sampling; each request's output is distributed exactly as sampling
+    from its own p (a greedy request's p is one-hot at the argmax: greedy decoding)."""
+    rands = [Uniforms.zeros() if sp.greedy else Uniforms.from_generator(g) for g, sp in zip(gens, sps)]
+    return rejection_sample_segments(probs_per_row(target_logits, row_settings(drafts, sps)), drafts, draft_probs,
+                                     rands)
+
+
+def row_settings(drafts: list[list[int]], sps: list[SamplingParams]) -> list[SamplingParams]:
+    """Per target row (gamma_i + 1 per segment, end to end), its segment's settings."""
+    return [sp for d, sp in zip(drafts, sps) for _ in range(len(d) + 1)]
 
 
 def rejection_sample_segments(
@@ -126,15 +131,15 @@ def accept_drafts(
     target_logits: torch.Tensor,  # [R, V]
     drafts: list[list[int]],  # [S]
     draft_probs: list[torch.Tensor | None],  # [S] as in accept_sampling (unused when greedy)
-    gens: list[torch.Generator],  # [S] (unused when greedy)
-    sp: SamplingParams,
+    gens: list[torch.Generator | None],  # [S] (None for greedy requests)
+    sps: list[SamplingParams],  # [S] each request's settings (temperature, top-k, top-p)
 ) -> Verdict:
     """The one dispatch: the Triton accept kernel when `kernels` is given, else the torch rule."""
     if kernels is not None:
-        return accept_fused(kernels, target_logits, drafts, draft_probs, gens, sp)
-    if sp.greedy:
+        return accept_fused(kernels, target_logits, drafts, draft_probs, gens, sps)
+    if all(sp.greedy for sp in sps):
         return accept_greedy(target_logits, drafts)
-    return accept_sampling(target_logits, drafts, draft_probs, gens, sp)
+    return accept_sampling(target_logits, drafts, draft_probs, gens, sps)
 
 
 def accept_ref(
@@ -168,8 +173,8 @@ def accept_fused(
     target_logits: torch.Tensor,  # [R, V]
     drafts: list[list[int]],  # [S]
     draft_probs: list[torch.Tensor | None] | None,  # [S] as in accept_sampling; None when greedy
-    gens: list[torch.Generator] | None,  # [S]; None when greedy
-    sp: SamplingParams,
+    gens: list[torch.Generator | None],  # [S]; None for greedy requests
+    sps: list[SamplingParams],  # [S]
 ) -> Verdict:
     """The same verdicts from the Triton accept kernel: every segment in one launch, one host read.
 
@@ -183,11 +188,12 @@ def accept_fused(
     d_off = [0, *accumulate(lens)]
     index = _upload(torch.tensor(d_off + [0, *accumulate(n + 1 for n in lens)] + [t for d in drafts for t in d]), dev)
     d_off_t, r_off_t, flat = index[: S + 1], index[S + 1 : 2 * S + 2], index[2 * S + 2 :]
-    if sp.greedy:
+    if all(sp.greedy for sp in sps):
         acc, nxt = kernels.accept(target_logits.contiguous(), flat, d_off_t, r_off_t)
     else:
-        # the kernel applies only a temperature: top-k / top-p go in as log-probs (-inf where filtered)
-        logits = probs_from_logits(target_logits, sp).log()
+        # the kernel applies only a temperature: each row's own temperature, top-k and top-p go in as
+        # log-probs (-inf where filtered; a greedy row one-hot at its argmax)
+        logits = probs_per_row(target_logits, row_settings(drafts, sps)).log()
         # One q for all segments or none. A deterministic draft goes in as q one-hot, which gives
         # the same accept test and residual as q None.
         q = None
@@ -196,11 +202,15 @@ def accept_fused(
             for start, x in zip(d_off, draft_probs):
                 if x is not None:
                     q[start : start + len(x)] = x
-        randoms = _upload(torch.cat([torch.rand(n, generator=g) for n, g in zip(lens, gens)]
-                                    + [torch.rand(1, generator=g) for g in gens]), dev)
+        randoms = _upload(torch.cat([_rand(n, g) for n, g in zip(lens, gens)] + [_rand(1, g) for g in gens]), dev)
         acc, nxt = kernels.accept(logits, flat, d_off_t, r_off_t, q, randoms[: d_off[-1]], randoms[d_off[-1]:], 1.0)
     accepted, last = torch.stack([acc, nxt]).tolist()  # the one host sync
     return Verdict(accepted, [d[:k] + [t] for d, k, t in zip(drafts, accepted, last)])
+
+
+def _rand(n: int, gen: torch.Generator | None) -> torch.Tensor:
+    """n float32 uniforms from a request's stream; zeros for a greedy request (its p is one-hot)."""
+    return torch.zeros(n) if gen is None else torch.rand(n, generator=gen)
 
 
 def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -8,6 +8,7 @@ and where: docs/numerics.md; timings: BENCHMARKS.md.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,35 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+GREEDY = SamplingParams()
+
+
+def probs_per_row(logits: torch.Tensor, sps: Sequence[SamplingParams]) -> torch.Tensor:
+    """[M, V] logits -> [M, V] float32 probabilities, row i under its own settings sps[i].
+
+    A greedy row becomes one-hot at its argmax: the rejection rule run on it accepts exactly the
+    argmax and draws the argmax, whatever its uniforms, which is greedy decoding. Rows that share
+    settings are transformed together; one setting for all rows is probs_from_logits itself.
+    """
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, sp in enumerate(sps):
+        groups.setdefault(sp, []).append(i)
+    if len(groups) == 1:
+        return _row_probs(logits, sps[0])
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [M, V]
+    for sp, rows in groups.items():
+        index = torch.tensor(rows, device=logits.device)
+        out[index] = _row_probs(logits[index], sp)
+    return out
+
+
+def _row_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    if not sp.greedy:
+        return probs_from_logits(logits, sp)
+    best = logits.argmax(-1, keepdim=True)  # [M, 1]
+    return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, best, 1.0)
 
 
 def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
@@ -46,9 +76,11 @@ def request_seed(job_seed: int, request_id: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def make_generator(job_seed: int, request_id: str) -> torch.Generator:
+def make_generator(job_seed: int, request_id: str, row_seed: int | None = None) -> torch.Generator:
+    """A request's random stream: from the row's own seed when it gives one (the same seed gives the
+    same text, as in OpenAI's API, whatever the id), else from the job seed and the id."""
     g = torch.Generator(device="cpu")
-    g.manual_seed(request_seed(job_seed, request_id))
+    g.manual_seed(request_seed(job_seed, request_id) if row_seed is None else row_seed % (1 << 63))
     return g
 
 
