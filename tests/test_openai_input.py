@@ -3,7 +3,6 @@ sampling settings shared with a plain row's params column (spin_batch.io.params)
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pyarrow as pa
