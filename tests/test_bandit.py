@@ -7,8 +7,12 @@ import random
 
 import pytest
 
-from spin_batch.engine.bandit import PRIOR_STRENGTH, BanditPolicy, Beta, CostModel, RequestArms, expected_gain
-from spin_batch.engine.policy import Outcome, StepCosts, make_policy
+from spin_batch.bench_policies import assigned_policy
+from spin_batch.selection.bandit import PRIOR_STRENGTH, BanditPolicy, Beta, RequestArms
+from spin_batch.selection.costs import CostModel
+from spin_batch.selection.factory import make_policy
+from spin_batch.selection.joint import expected_gain
+from spin_batch.selection.policy import Outcome, StepCosts
 
 
 class World:
@@ -161,7 +165,7 @@ def _gate_steps(gate, n: int, goodput, switch_cost: float = 10.0, slots: int = 4
 
 
 def test_step_gate_pairs_a_burst_with_the_steps_before_it():
-    from spin_batch.engine.bandit import GATE_BURST, GATE_WARMUP, StepGate
+    from spin_batch.selection.gate import GATE_BURST, GATE_WARMUP, StepGate
 
     gate = StepGate()
     modes = _gate_steps(gate, GATE_WARMUP + 1 + GATE_BURST, lambda step, mode: 20 if mode else 10)
@@ -179,7 +183,7 @@ def test_step_gate_follows_the_faster_mode_through_drift(spec_ahead):
     """The machine's speed swings by +-30% over 100 steps, twice the gap between the modes: speculating
     steps measure spec_ahead times the goodput of plain ones at the same moment. The gate must still pick
     the faster mode most of the time; with plain ahead, 3 steps in 19 are the bursts that re-check it."""
-    from spin_batch.engine.bandit import StepGate
+    from spin_batch.selection.gate import StepGate
 
     def goodput(step: int, mode: bool) -> float:
         speed = 1.0 + 0.3 * math.sin(2 * math.pi * step / 100)
@@ -192,7 +196,7 @@ def test_step_gate_follows_the_faster_mode_through_drift(spec_ahead):
 
 
 def test_decayed_mean_and_its_error():
-    from spin_batch.engine.bandit import DecayedMean
+    from spin_batch.selection.gate import DecayedMean
 
     m = DecayedMean(0.8)
     m.add(1.0)
@@ -209,8 +213,9 @@ def test_backoff_is_for_the_bandits_only():
     assert BanditPolicy(["d"], max_gamma=4, mode="ucb").gate is not None
     assert BanditPolicy(["d"], max_gamma=4, mode="thompson").gate is not None
     assert BanditPolicy(["d"], max_gamma=4, mode="ucb", backoff=False).gate is None
-    for mode in ("fixed", "round_robin", "assigned"):
-        assert BanditPolicy(["d"], max_gamma=4, mode=mode).gate is None
+    told = [make_policy("fixed:d", ["d"], 4), make_policy("round_robin", ["d"], 4), assigned_policy(["d"], 4, {})]
+    for policy in told:
+        assert getattr(policy, "gate", None) is None, type(policy).__name__
     assert make_policy("ucb", ["d"], 4, backoff=False).gate is None
 
 
@@ -303,7 +308,7 @@ def test_only_gated_drafters_get_a_floor():
 
 
 def test_assigned_mode_runs_each_request_on_its_own_drafter():
-    policy = make_policy("ucb", ["ngram", "d1"], 4, assign={"a": "d1", "b": None})
+    policy = assigned_policy(["ngram", "d1"], 4, {"a": "d1", "b": None})
     for slot, rid in enumerate(["a", "b", "c"]):
         policy.on_admit(slot, rid)
     got = policy.choose([0, 1, 2], [4, 4, 2])
@@ -311,12 +316,12 @@ def test_assigned_mode_runs_each_request_on_its_own_drafter():
     policy.on_admit(0, "b")  # the slot's next request has its own assignment
     assert policy.choose([0], [4])[0].drafter is None
     with pytest.raises(ValueError, match="not in the pool"):
-        make_policy("ucb", ["ngram"], 4, assign={"a": "d9"})
+        assigned_policy(["ngram"], 4, {"a": "d9"})
 
 
 @pytest.mark.parametrize("gamma,goes_on", [(1, 0.5), (4, 0.0), (4, 0.3), (5, 0.8), (3, 1.0)])
 def test_chain_spend_matches_simulated_gated_chains(gamma, goes_on):
-    from spin_batch.engine.bandit import chain_spend
+    from spin_batch.selection.joint import chain_spend
 
     rng = random.Random(0)
     n, proposed, ran = 20000, 0, 0
@@ -332,7 +337,7 @@ def test_chain_spend_matches_simulated_gated_chains(gamma, goes_on):
 
 
 def test_the_position_a_gate_stopped_at_is_priced():
-    from spin_batch.engine.bandit import best_gamma, chain_spend
+    from spin_batch.selection.joint import best_gamma, chain_spend
 
     # a = 0.3, goes_on = 0.3, gamma 1: E = 1.3 tokens for 0.3 proposed but 1 position drafted.
     # Charging the draft only for proposed tokens (1.3 - 0.4 * 0.3 = 1.18) would speculate; charging
@@ -348,7 +353,7 @@ def test_the_position_a_gate_stopped_at_is_priced():
 
 
 def test_draft_cost_separates_forwards_from_positions():
-    from spin_batch.engine.bandit import DraftCost
+    from spin_batch.selection.costs import DraftCost
 
     dc = DraftCost(decay=0.99)
     for forwards, positions in [(4, 16), (2, 3), (4, 5), (1, 4), (3, 9), (2, 2)] * 10:
@@ -398,7 +403,7 @@ def test_a_drafter_first_tried_alone_is_then_shared():
 def test_an_optimistic_favourite_that_does_not_pay_yields_to_the_best_at_the_mean():
     """UCB favours the drafter it knows least ("new"), but at its posterior mean drafting with it does
     not pay. The slot then drafts with the drafter that pays at the mean rather than not at all."""
-    from spin_batch.engine.bandit import JointChoice
+    from spin_batch.selection.joint import JointChoice
 
     joint = JointChoice(caps=[4], rates=[{"new": 0.95, "known": 0.62}], means=[{"new": 0.1, "known": 0.6}],
                         coeffs={"new": (0.0, 0.0), "known": (0.0, 0.0)}, goes_on={"new": None, "known": None},
@@ -410,7 +415,7 @@ def test_an_optimistic_favourite_that_does_not_pay_yields_to_the_best_at_the_mea
 def test_the_drain_values_a_step_by_its_slowest_slot():
     """Once nothing is left to admit, the job ends with its last request, so a step that drafts for the
     good slot only (the steady-state choice) shortens nothing: the drain drafts for both or for neither."""
-    from spin_batch.engine.bandit import JointChoice
+    from spin_batch.selection.joint import JointChoice
 
     def joint(means):
         return JointChoice(caps=[4] * len(means), rates=[{"d": m} for m in means], means=[{"d": m} for m in means],

@@ -1,0 +1,208 @@
+"""The SPIN bandit: per request, a Beta posterior over each drafter's acceptance rate, scored by
+ucb (optimistic) or thompson (sampled), and the step's choices made jointly by goodput.
+
+Each request keeps, per drafter, a Beta posterior over the drafter's per-token acceptance rate a.
+A verify that asked for g tokens and accepted k is k successes plus one failure when k < g (a
+token the drafter did not propose counts as a failure). The choice itself, which prices those
+rates against the cost model, is joint.JointChoice; the cost model is costs.py; the back-off
+step gate is gate.StepGate.
+
+Warm start: new requests start from the pooled posterior of all requests so far, scaled down to
+a few pseudo-observations, so short requests do not pay for exploration.
+
+Drain: once the request stream is done (Policy.on_drain), a token no longer frees a slot for the
+next request, and the job ends when its last request does. Any running request may be that one,
+so a step shortens the job only by the progress of its slowest slot: the drain values the joint
+choice at n times the least expected gain among its n slots instead of the sum of their gains
+(JointChoice.drain_value), and the step drafts nothing unless that beats plain decoding. A step
+that leaves any slot undrafted thus gains the job nothing and only pays for its drafts;
+speculation goes on where every slot's draft pays, as in the last few requests of a job.
+
+The design is explained in docs/selection.md; the measurements behind it are in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .costs import CostModel, Pricing
+from .gate import StepGate
+from .joint import JointChoice
+from .policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
+
+PRIOR_STRENGTH = 6.0  # pseudo-tokens a warm start is worth
+DEFAULT_RATE = 0.3  # prior acceptance before anything was pooled
+DRAIN_RECHECK = 16  # steps the drain keeps a verdict against drafting while its slots stay the same
+
+
+@dataclass
+class Beta:
+    alpha: float
+    beta: float
+
+    @property
+    def mean(self) -> float:
+        return self.alpha / (self.alpha + self.beta)
+
+    @property
+    def n(self) -> float:
+        return self.alpha + self.beta
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.alpha += accepted
+        self.beta += 1.0 if accepted < drafted else 0.0
+
+
+@dataclass
+class RequestArms:
+    arms: dict[str, Beta]
+    steps: int = 0
+
+
+@dataclass
+class BanditPolicy(Policy):
+    """`ucb` (optimistic acceptance) or `thompson` (sampled acceptance).
+
+    backoff: each step passes the StepGate first."""
+
+    drafters: list[str]
+    max_gamma: int
+    mode: str = "ucb"
+    gated: frozenset[str] = frozenset()  # drafters that honour Choice.min_prob (the confidence gate)
+    seed: int = 0
+    exploration: float = 0.5  # UCB bonus scale
+    # chance per step that one slot tries a random gamma, so the cost model sees varied N. Per
+    # step, not per slot: at 16 slots a per-slot chance would put an exploring draft in most
+    # steps, and at large batch every extra verify token is paid by the whole batch.
+    gamma_exploration: float = 0.05
+    cost: CostModel = field(default_factory=CostModel)
+    pooled: dict[str, Beta] = field(default_factory=dict)
+    requests: dict[int, RequestArms] = field(default_factory=dict)  # by slot
+    backoff: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("ucb", "thompson"):
+            raise ValueError(f"unknown bandit mode {self.mode!r}")
+        self.rng = random.Random(self.seed)
+        self.pooled = {d: Beta(1.0, 1.0) for d in self.drafters}
+        self.pricing = Pricing([d for d in self.drafters if d in self.gated], self.cost)
+        self.gate = StepGate() if self.backoff else None
+        self._step: tuple[int, bool] | None = None  # (decoding slots, speculated) of the step being run
+        self.draining = False  # the request stream is done (on_drain): see the module docstring
+        # the drain's last verdict against drafting: the slots it covered, and steps since. In the drain
+        # nothing is learnt while nothing drafts, so the verdict stands until a slot leaves (or a while).
+        self._drain_no: tuple[frozenset[int], int] | None = None
+
+    def on_stream(self) -> None:
+        self.draining, self._drain_no = False, None
+
+    def on_drain(self) -> None:
+        self.draining = True
+
+    # -- per-request state ----------------------------------------------------------------
+
+    def on_admit(self, slot: int, req_id: str | None = None) -> None:
+        """Warm start: the pooled posterior, shrunk to PRIOR_STRENGTH pseudo-tokens."""
+        arms = {}
+        for d, b in self.pooled.items():
+            mean = b.mean if b.n > 2.0 else DEFAULT_RATE
+            arms[d] = Beta(mean * PRIOR_STRENGTH, (1 - mean) * PRIOR_STRENGTH)
+        self.requests[slot] = RequestArms(arms)
+
+    # -- select -----------------------------------------------------------------------------
+
+    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
+        verify_price, lam = self.pricing.prices()
+        if self.gate is not None:
+            self._step = (len(slots), self.gate.decide(len(slots)))
+            if not self._step[1]:
+                return [NO_SPEC] * len(slots)
+        # a drafter whose cost is still unknown is tried by one slot, with a short draft: trying
+        # it on every slot at once could stall the whole batch behind an expensive drafter
+        # (not in the drain: a step that drafts for one slot only makes the job no shorter)
+        unmeasured = [] if self.draining else [d for d in self.drafters if not self.cost.measured(d)]
+        explore = not self.draining and slots and self.rng.random() < self.gamma_exploration
+        explorer = self.rng.randrange(len(slots)) if explore else -1
+        out: list[Choice] = [NO_SPEC] * len(slots)
+        open_: list[tuple[int, RequestArms, int]] = []  # (index, request, cap) the bandit decides jointly
+        for i, (s, cap) in enumerate(zip(slots, caps)):
+            req = self.requests.get(s)
+            if req is None:
+                self.on_admit(s)
+                req = self.requests[s]
+            req.steps += 1
+            cap = min(cap, self.max_gamma)
+            if unmeasured and cap > 0:
+                out[i] = Choice(unmeasured.pop(0), min(2, cap))
+            elif cap > 0 and self.cost.goodput.seen:
+                open_.append((i, req, cap))
+        for i, choice in self._drained(slots, open_, verify_price, lam).items():
+            out[i] = choice
+        cap = next((cap for i, _, cap in open_ if i == explorer), 0)
+        if cap:
+            # vary gamma only, with the chosen drafter or else the cheapest one: exploring an
+            # expensive drafter would make the whole batch wait for its draft rounds
+            name = out[explorer].drafter or min(self.drafters, key=self.cost.draft_cost)
+            if self.cost.measured(name):
+                g = self.rng.randint(0, cap)
+                out[explorer] = Choice(name, g) if g else NO_SPEC  # ungated: the cost model must see N vary
+        return out
+
+    def _drained(self, slots: list[int], open_: list[tuple[int, RequestArms, int]], verify_price: float,
+                 lam: float) -> dict[int, Choice]:
+        """_joint, but in the drain a verdict against drafting is kept for DRAIN_RECHECK steps unless a slot left."""
+        if not self.draining:
+            return self._joint(open_, verify_price, lam)
+        key = frozenset(slots)
+        if self._drain_no is not None and self._drain_no[0] == key and self._drain_no[1] < DRAIN_RECHECK:
+            self._drain_no = (key, self._drain_no[1] + 1)
+            return {}
+        out = self._joint(open_, verify_price, lam)
+        self._drain_no = None if out else (key, 0)
+        return out
+
+    def _joint(self, open_: list[tuple[int, RequestArms, int]], verify_price: float, lam: float) -> dict[int, Choice]:
+        """Each open slot's choice (see JointChoice), with its drafter's confidence floor."""
+        if not open_:
+            return {}
+        joint = JointChoice(
+            caps=[cap for _, _, cap in open_],
+            rates=[{d: self._rate(arm, req.steps) for d, arm in req.arms.items()} for _, req, _ in open_],
+            means=[{d: arm.mean for d, arm in req.arms.items()} for _, req, _ in open_],
+            coeffs={d: self.cost.draft_coeffs(d) for d in self.drafters},
+            goes_on={d: self.pricing.goes_on(d) for d in self.drafters}, verify_price=verify_price, lam=lam)
+        if self.draining and joint.drain_bound() <= joint.n:
+            return {}
+        picks = joint.solve()
+        if self.draining and joint.drain_value(picks) <= joint.n:
+            return {}
+        sharing = Counter(d for d, _ in picks if d is not None)
+        return {i: Choice(d, g, self.pricing.floor(d, sharing[d], verify_price, lam))
+                for (i, _, _), (d, g) in zip(open_, picks) if d is not None}
+
+    def _rate(self, arm: Beta, steps: int) -> float:
+        if self.mode == "thompson":
+            return self.rng.betavariate(arm.alpha, arm.beta)
+        bonus = self.exploration * math.sqrt(math.log(steps + 1.0) / arm.n)
+        return min(arm.mean + bonus, 0.999)
+
+    # -- learn ------------------------------------------------------------------------------
+
+    def learn(self, outcomes: list[Outcome], costs: StepCosts) -> None:
+        gained, decode_s = self.pricing.learn(outcomes, costs)
+        if self.gate is not None and self._step is not None:
+            self.gate.observe(self._step[0], self._step[1], gained, decode_s)
+        for o in outcomes:
+            if o.choice.drafter is None or o.choice.gamma == 0:
+                continue
+            # Judged against what was asked: a drafter that proposes fewer tokens than gamma (an
+            # n-gram drafter with no match proposes none) stops the chain there, like a rejection.
+            # Counting only proposed tokens would rate a drafter that rarely proposes as if it
+            # always did.
+            req = self.requests.get(o.slot)
+            if req is not None:
+                req.arms[o.choice.drafter].observe(o.choice.gamma, o.accepted)
+            self.pooled[o.choice.drafter].observe(o.choice.gamma, o.accepted)

@@ -1,0 +1,46 @@
+"""make_policy: the job's selector (spin.selector) as a Policy.
+
+Selectors: `none` (plain decoding), `fixed:<name>` (one drafter at the configured gamma; a gated
+drafter also gets the confidence floor, priced like the bandit's), `round_robin` (the drafters in
+turn), and the SPIN bandits `ucb` and `thompson` (bandit.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from .bandit import BanditPolicy
+from .costs import Pricing
+from .fixed import FixedDrafter, NoSpeculation, RoundRobin
+from .policy import Policy
+
+
+def gated_drafters(drafters: Mapping | Iterable[str], confidence_gate: bool = True) -> frozenset[str]:
+    """The drafters whose floor the policy sets: those that honour Choice.min_prob (`gates`), with the
+    confidence gate on. Bare names (no drafter objects) are never gated."""
+    if not confidence_gate or not isinstance(drafters, dict):
+        return frozenset()
+    return frozenset(n for n, d in drafters.items() if d.gates)
+
+
+def make_policy(selector: str, drafters: Mapping | Iterable[str], max_gamma: int, seed: int = 0,
+                confidence_gate: bool = True, backoff: bool = True) -> Policy:
+    """`drafters`: the loop's drafters by name, or bare names (then none is gated). With confidence_gate,
+    the drafters that honour Choice.min_prob get a floor priced by the cost model. With backoff, ucb and
+    thompson speculate at a step only while that measures ahead (gate.StepGate)."""
+    names = list(drafters)
+    gated = gated_drafters(drafters, confidence_gate)
+    if selector == "none":
+        return NoSpeculation()
+    if selector in ("ucb", "thompson"):
+        if not names:
+            return NoSpeculation()
+        return BanditPolicy(names, max_gamma, mode=selector, seed=seed, gated=gated, backoff=backoff)
+    if selector == "round_robin":
+        return RoundRobin(names, max_gamma) if names else NoSpeculation()
+    if selector.startswith("fixed:"):
+        name = selector.split(":", 1)[1]
+        if name not in names:
+            raise ValueError(f"selector {selector!r}: no drafter named {name!r} (have: {', '.join(names)})")
+        return FixedDrafter(name, max_gamma, Pricing([name]) if name in gated else None)
+    raise ValueError(f"unknown selector {selector!r}")

@@ -1,0 +1,192 @@
+"""The joint choice: every open slot's drafter and gamma at one step, chosen together by goodput.
+
+Acceptance is modelled as geometric: at per-token acceptance a, a verify with gamma g gains
+E(g, a) = (1 - a^(g + 1)) / (1 - a) tokens (accepted drafts plus the recovered or bonus token).
+The batch's goodput is (sum of tokens gained) / (step time); it is maximised by the choices that
+maximise the sum over slots of E(g, a_d) - lam * cost, where lam is the current goodput (tokens
+per second) and the cost counts each drafter's forwards once. That makes gamma 0 win as soon as
+verification of extra tokens costs more than they bring, e.g. at large batch, and it keeps the
+slots that draft on few drafters: a batch split over drafters pays every drafter's forwards.
+
+A gated chain (the confidence gate, see costs.Pricing) of cap g at go-on rate c costs E(g, c) - 1
+verified tokens instead of g, and E(g, c) - c^g draft positions (the position the gate stopped at
+was drafted too). In the drain a choice is worth its slowest slot's gain (JointChoice.drain_value).
+"""
+
+from __future__ import annotations
+
+import math
+
+JOINT_PASSES = 3  # best-response passes over the batch (JointChoice)
+
+
+def expected_gain(gamma: int, a: float) -> float:
+    """Expected new tokens from one verify with gamma drafts at per-token acceptance a."""
+    if gamma == 0:
+        return 1.0
+    a = min(max(a, 0.0), 0.999999)
+    return (1.0 - a ** (gamma + 1)) / (1.0 - a)
+
+
+
+def chain_spend(gamma: int, goes_on: float | None) -> tuple[float, float]:
+    """Expected (tokens proposed, draft positions run) of a chain capped at gamma.
+
+    Ungated (goes_on None): gamma of each. Gated: the chain proposes k tokens with P(k >= i) =
+    goes_on^i, and runs min(k + 1, gamma) positions, since the position its gate stopped at was
+    drafted too.
+    """
+    if goes_on is None:
+        return float(gamma), float(gamma)
+    return expected_gain(gamma, goes_on) - 1.0, expected_gain(gamma, goes_on) - goes_on ** gamma
+
+
+def chain_value(g: int, a: float, verify_price: float, position_price: float, spend: tuple[float, float]) -> float:
+    """E(g, a) minus the price of the tokens verified and the draft positions run (spend: chain_spend(g, ...))."""
+    proposed, ran = spend
+    return expected_gain(g, a) - verify_price * proposed - position_price * ran
+
+
+def best_gamma(a: float, verify_price: float, position_price: float, spend: list[tuple[float, float]],
+               forward_price: float = 0.0, depth: float = 0.0) -> tuple[float, int]:
+    """max over g in 0..len(spend) - 1 of E(g, a) minus the price of what the chain spends, and its g.
+
+    spend[g] is chain_spend(g, ...): the tokens verified and the draft positions run, each position
+    priced at position_price, plus forward_price for each forward the chain adds beyond `depth` (the
+    positions other slots of its drafter run anyway). Gamma 0 is worth 1. A chain the gate stops at
+    once proposes nothing but still costs a draft forward.
+    """
+    best_value, best_g = 1.0, 0
+    for g in range(1, len(spend)):
+        value = (chain_value(g, a, verify_price, position_price, spend[g])
+                 - forward_price * max(spend[g][1] - depth, 0.0))
+        if value > best_value:
+            best_value, best_g = value, g
+    return best_value, best_g
+
+
+class JointChoice:
+    """Every open slot's (drafter, gamma) at one step, chosen together: a drafter's slots share its forwards.
+
+    The batch's value V sums, over slots, E(g, a) minus the price of the tokens the slot verifies
+    and of the draft positions it runs; and takes off, per drafter, the price of its forwards: as
+    many as its deepest slot runs. A slot's drafter is the best at its optimistic (ucb) or sampled
+    (thompson) rate; its gamma the best at the posterior mean, so optimism does not buy speculation.
+    Where that favourite does not pay at its mean, the slot takes the best drafter at the mean.
+
+    1. Every slot chooses as if each drafter's forwards were shared by all the slots.
+    2. Best responses: each slot in turn takes its best choice given the others', which prices
+       exactly the forwards it adds (none where another slot of its drafter drafts as deep).
+    3. Closing: best responses cannot empty a drafter that two slots share, even where moving them
+       all would pay; each drafter in use is closed in turn (its slots choose again among the
+       others) and stays closed where that raises V.
+    """
+
+    def __init__(self, caps: list[int], rates: list[dict[str, float]], means: list[dict[str, float]],
+                 coeffs: dict[str, tuple[float, float]], goes_on: dict[str, float | None], verify_price: float,
+                 lam: float):
+        self.caps, self.rates, self.means, self.lam, self.verify_price = caps, rates, means, lam, verify_price
+        self.coeffs = coeffs
+        self.spend = {d: [chain_spend(g, c) for g in range(max(caps) + 1)] for d, c in goes_on.items()}
+        self.n = len(caps)
+        self._memo: dict[tuple, tuple[float, int]] = {}  # _best by its arguments: passes repeat most of them
+
+    def solve(self) -> list[tuple[str | None, int]]:
+        everyone = set(self.coeffs)
+        picks = [(None, 0)] * self.n
+        for k in range(self.n):
+            picks[k] = self._respond(k, picks, everyone, shared=True)
+        picks = self._settle(picks, everyone)
+        value = self._total(picks)
+        for d in sorted({d for d, _ in picks if d is not None}, key=lambda d: -self.coeffs[d][0]):
+            if self.coeffs[d][0] <= 0 or all(p[0] != d for p in picks):
+                continue  # free forwards (an n-gram matcher): nothing to save by closing it
+            allowed = everyone - {d}
+            trial = [(None, 0) if p[0] == d else p for p in picks]
+            trial = self._settle(trial, allowed)
+            trial_value = self._total(trial)
+            if trial_value > value:
+                picks, value, everyone = trial, trial_value, allowed
+        return picks
+
+    def drain_bound(self) -> float:
+        """An upper bound on drain_value over the choices that draft for every slot (any other is worth at
+        most n): each slot gains its best, for at least one priced token of the cheapest drafter. At or under
+        n, solve() is not worth running in the drain."""
+        best = min(max(expected_gain(cap, a) for a in means.values()) for cap, means in zip(self.caps, self.means))
+        least = min(self.verify_price * spend[1][0] for spend in self.spend.values())
+        return self.n * (best - least)
+
+    def drain_value(self, picks: list[tuple[str | None, int]]) -> float:
+        """V in the drain, at the posterior means: n times the least slot's expected gain, less the prices.
+
+        Compare with n (every slot decoding plainly, worth one token each).
+        """
+        gains = [1.0 if d is None else expected_gain(g, self.means[k][d]) for k, (d, g) in enumerate(picks)]
+        prices = sum(gain - (1.0 if d is None else chain_value(g, self.means[k][d], self.verify_price,
+                                                                self.lam * self.coeffs[d][1], self.spend[d][g]))
+                     for k, ((d, g), gain) in enumerate(zip(picks, gains)))
+        prices += sum(self.lam * self.coeffs[d][0] * depth for d, depth in self._depths(picks).items())
+        return self.n * min(gains) - prices
+
+    def _settle(self, picks: list[tuple[str | None, int]], allowed: set[str]) -> list[tuple[str | None, int]]:
+        picks = list(picks)
+        for _ in range(JOINT_PASSES):
+            changed = False
+            for k in range(self.n):
+                pick = self._respond(k, picks, allowed)
+                changed |= pick != picks[k]
+                picks[k] = pick
+            if not changed:
+                break
+        return picks
+
+    def _respond(self, k: int, picks: list[tuple[str | None, int]], allowed: set[str],
+                 shared: bool = False) -> tuple[str | None, int]:
+        """Slot k's best (drafter, gamma) given the others' picks; shared: forwards split n ways instead."""
+        depth = {} if shared else self._depths(picks, skip=k)
+
+        def best_at(rates: dict[str, float]) -> tuple[str | None, int]:
+            """The allowed drafter worth most at these rates (None: none allowed), and its gamma."""
+            top, best, best_g = -math.inf, None, 0
+            for d in rates:
+                if d in allowed:
+                    value, g = self._best(k, d, rates[d], depth.get(d, 0.0), shared)
+                    if value > top:
+                        top, best, best_g = value, d, g
+            return best, best_g
+
+        favourite, _ = best_at(self.rates[k])
+        if favourite is None:
+            return None, 0
+        _, g = self._best(k, favourite, self.means[k][favourite], depth.get(favourite, 0.0), shared)
+        if g:
+            return favourite, g
+        # The optimistic favourite does not pay at its mean: exploit the best drafter at the mean
+        # instead of not drafting at all (the favourite is still tried wherever its mean pays).
+        d, g = best_at(self.means[k])  # gamma 0 unless it pays
+        return (d, g) if g else (None, 0)
+
+    def _best(self, k: int, d: str, a: float, depth: float, shared: bool) -> tuple[float, int]:
+        key = (k, d, a, depth, shared)
+        if key not in self._memo:
+            f, s = self.coeffs[d]
+            spend = self.spend[d][: self.caps[k] + 1]
+            self._memo[key] = (best_gamma(a, self.verify_price, self.lam * (s + f / self.n), spend) if shared else
+                               best_gamma(a, self.verify_price, self.lam * s, spend, self.lam * f, depth))
+        return self._memo[key]
+
+    def _depths(self, picks: list[tuple[str | None, int]], skip: int = -1) -> dict[str, float]:
+        """Per drafter, the draft positions its deepest slot runs (so its forwards), slot `skip` aside."""
+        depth: dict[str, float] = {}
+        for j, (d, g) in enumerate(picks):
+            if j != skip and d is not None:
+                depth[d] = max(depth.get(d, 0.0), self.spend[d][g][1])
+        return depth
+
+    def _total(self, picks: list[tuple[str | None, int]]) -> float:
+        """V at the drafter-choosing rates."""
+        value = sum(1.0 if d is None else
+                    chain_value(g, self.rates[k][d], self.verify_price, self.lam * self.coeffs[d][1], self.spend[d][g])
+                    for k, (d, g) in enumerate(picks))
+        return value - sum(self.lam * self.coeffs[d][0] * depth for d, depth in self._depths(picks).items())
