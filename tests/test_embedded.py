@@ -47,7 +47,7 @@ def engines():
 
 
 def texts(tmp_path, name: str, selector: str, slots: int, engines: dict) -> dict[str, str]:
-    from spin_batch.engine.policy import make_policy
+    from spin_batch.selection.factory import make_policy
     from spin_batch.io.writer import read_outputs
 
     j = job(tmp_path, name, selector, slots)
@@ -93,7 +93,7 @@ def test_demo_job_validates_with_the_shipped_drafts(monkeypatch):
 
 def test_shipped_drafts_stay_lossless(tmp_path):
     """Greedy output with each shipped draft, and with the bandit over all of them, equals autoregressive."""
-    from spin_batch.engine.policy import make_policy
+    from spin_batch.selection.factory import make_policy
     from spin_batch.io.writer import read_outputs
     from conftest import write_jsonl
 
