@@ -38,7 +38,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .config import JobConfig
-from .engine.policy import make_policy
+from .bench_policies import assigned_policy
+from .selection.factory import make_policy
 from .io.reader import Request, iter_requests, list_shards
 from .runner import Engine, backends, build_engine, make_encoder
 from .stats import RunStats
@@ -81,7 +82,8 @@ def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots:
              label: str, pipeline: bool, gate: bool = True, assign: dict[str, str | None] | None = None,
              backoff: bool = True) -> MethodRun:
     loop = engine.loop
-    loop.policy = make_policy(selector, loop.drafters, gamma, confidence_gate=gate, assign=assign, backoff=backoff)
+    loop.policy = assigned_policy(loop.drafters, gamma, assign, gate) if assign is not None else \
+        make_policy(selector, loop.drafters, gamma, confidence_gate=gate, backoff=backoff)
     loop.cfg = replace(loop.cfg, pipeline=pipeline)
     loop.stats = RunStats()
     tokens: dict[str, list[int]] = {}

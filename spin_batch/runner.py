@@ -32,7 +32,7 @@ from .drafters.model import FeatureDrafter, ModelDrafter
 from .drafters.ngram import NgramDrafter
 from .drafters.vote import VoteDrafter
 from .engine.loop import BatchLoop, LoopSettings
-from .engine.policy import make_policy
+from .selection.factory import make_policy
 from .engine.sampling import SamplingParams
 from .fingerprint import check_fingerprint
 from .io.reader import (InputError, Request, _file_format, assign, check_columns, check_input, count_rows,
