@@ -38,6 +38,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .config import JobConfig
+from .engine.loop import BatchLoop
+from .records import Completion
 from .bench_policies import assigned_policy
 from .selection.factory import make_policy
 from .io.reader import Request, iter_requests, list_shards
@@ -81,25 +83,26 @@ def peak_rss_mb() -> float:
 def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots: int, repeat: int,
              label: str, pipeline: bool, gate: bool = True, assign: dict[str, str | None] | None = None,
              backoff: bool = True) -> MethodRun:
-    loop = engine.loop
-    loop.policy = assigned_policy(loop.drafters, gamma, assign, gate) if assign is not None else \
-        make_policy(selector, loop.drafters, gamma, confidence_gate=gate, backoff=backoff)
-    loop.cfg = replace(loop.cfg, pipeline=pipeline)
-    loop.stats = RunStats()
+    """One timed run of our loop: a fresh BatchLoop over the engine's target, drafters and cache, with its
+    own policy and stats; each request's generated ids and share of step time come from its Completion."""
+    drafters = engine.loop.drafters
+    policy = assigned_policy(drafters, gamma, assign, gate) if assign is not None else \
+        make_policy(selector, drafters, gamma, confidence_gate=gate, backoff=backoff)
+    loop = BatchLoop(engine.target, engine.tokenizer, replace(engine.loop.cfg, pipeline=pipeline), policy, drafters,
+                     cache=engine.loop.cache, stats=RunStats())
     tokens: dict[str, list[int]] = {}
     shares: dict[str, float] = {}
 
-    def record(s) -> None:
-        tokens[s.req.id] = list(s.generated)
-        shares[s.req.id] = s.share_s
+    def record(c: Completion) -> None:
+        if c.status == "ok":  # a bad row has no tokens to compare
+            tokens[c.request.id] = list(c.token_ids)
+            shares[c.request.id] = c.share_s
 
-    loop.on_finish = record
     graphs = getattr(engine.target, "graphs", None)
     before = graphs.stats() if graphs is not None else None
     t0 = time.perf_counter()
-    loop.run(iter(data.requests), data.encode, lambda row: None)
+    loop.run(iter(data.requests), data.encode, record)
     wall = time.perf_counter() - t0
-    loop.on_finish = None
     summary = loop.stats.summary()
     if graphs is not None:  # the target's CUDA graphs during this run: shapes captured, replays, eager short forwards
         summary["cuda_graphs"] = {k: v - before[k] for k, v in graphs.stats().items()}
