@@ -50,8 +50,13 @@ def fingerprint(job: JobConfig) -> dict[str, Any]:
         "input.messages_column": i.messages_column,
         "input.chat_template": i.chat_template,
         "input.system_prompt": i.system_prompt,
+        "input.format": i.format,
+        "input.params_column": i.params_column,
     }
-    if not s.greedy:
+    # rows may sample on their own (an OpenAI body, a params column) even when the job is greedy; a
+    # greedy job with format auto that finds OpenAI files is not told apart here (left: docs/jobs.md)
+    rows_may_sample = i.format == "openai" or i.params_column is not None
+    if not s.greedy or rows_may_sample:
         fp.update({"sampling.seed": s.seed, "sampling.top_p": s.top_p, "sampling.top_k": s.top_k})
     return json.loads(json.dumps(fp))
 

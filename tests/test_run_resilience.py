@@ -263,3 +263,18 @@ def test_stats_parts_share_one_schema_after_a_resume_with_nothing_to_do(tmp_path
     assert {"rows_ok", "generated_tokens", "pulls.ngram", "pulls.none", "drafted.ngram"} <= set(schemas[0].names)
     stats = pl.read_parquet(str(out / "stats" / "*.parquet"))
     assert stats.height == 2 and stats["rows_ok"].to_list()[1] == 0
+
+
+def test_the_fingerprint_holds_the_row_settings_sources(tmp_path, tiny_dir):
+    """input.format and input.params_column change the text; with a params column a greedy job's rows may
+    sample, so the seed and the filters count too."""
+    from spin_batch.config import load_job
+    from spin_batch.fingerprint import fingerprint
+
+    src = write_jsonl(tmp_path / "in" / "prompts.jsonl", prompt_rows(2))
+    job, _ = make_job(tmp_path, tiny_dir, [src])
+    plain = fingerprint(load_job(job))
+    assert plain["input.params_column"] is None and "sampling.seed" not in plain
+    own = fingerprint(load_job(job, ["input.params_column=params"]))
+    assert own["input.params_column"] == "params" and {"sampling.seed", "sampling.top_k"} <= set(own)
+    assert fingerprint(load_job(job, ["input.format=openai"]))["input.format"] == "openai"
