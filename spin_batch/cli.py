@@ -385,8 +385,7 @@ def env(job_path, overrides):
         click.echo(f"c kernels\tunavailable: {cpu_decoder.unavailable_reason()}")
     else:
         info = cpu_decoder.build_info(lib)
-        click.echo(f"c kernels\t-march={info['march']}, {info['isa']} GEMM, bfloat16 GEMM {info['bf16_gemm']} "
-                   f"(SPIN_BATCH_CPU_GEMM={cpu_decoder.mode()})")
+        click.echo(f"c kernels\t-march={info['march']}, {info['isa']} GEMM, bfloat16 GEMM {info['bf16_gemm']}")
     if job_path is None:
         return
     from .models import loader
@@ -394,6 +393,11 @@ def env(job_path, overrides):
 
     job = _load(job_path, overrides)
     device = loader.resolve_device(job.target.device)
+    try:
+        execution = loader.resolve_execution(job.target.kernels, device)
+    except loader.ExecutionError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"kernels\t{execution.describe()}")
     models = [("target", job.target.model, job.target.dtype,
                cpu_plan.workloads(job.batch.slots, job.spin.num_speculative_tokens if job.drafters else 0))]
     models += [(d.name, d.model, d.dtype or job.target.dtype, cpu_plan.workloads(job.batch.slots, 0))
@@ -407,7 +411,7 @@ def env(job_path, overrides):
         if draft_meta(model_dir) is not None:
             click.echo(f"{name}\ta distilled draft: planned when it loads with its target (see summary.json)")
             continue
-        p = cpu_plan.plan(loader.read_spec(model_dir), loader.DTYPES[dtype], device, loop)
+        p = cpu_plan.plan(loader.read_spec(model_dir), loader.DTYPES[dtype], device, loop, execution)
         click.echo(f"{name}\tlayers {p.layers}, LM head {p.lm_head} ({dtype}): {p.why}")
         if p.ms:
             click.echo(f"\tmeasured ms: {p.ms}")

@@ -474,15 +474,23 @@ class TargetConfig:
     model: str = "builtin:smollm2-135m"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
+    # the kernels every model of the job runs on (spin_batch/models/execution.py): auto (CPU: measured per
+    # model; CUDA: Triton with CUDA graphs where Triton imports) | c (the C decoder, CPU only) | torch |
+    # triton (CPU only under TRITON_INTERPRET=1). Whether they can run here is checked by validate.
+    kernels: Literal["auto", "c", "torch", "triton"] = "auto"
 
     @classmethod
     def _parse(cls, s: _Section) -> TargetConfig:
         device = _pattern(r"auto|cpu|cuda(:[0-9]+)?", "auto, cpu, cuda or cuda:<index>")
-        return cls(
+        target = cls(
             model=s.take("model", _path),
             dtype=s.take("dtype", _dtype),
             device=s.take("device", device),
+            kernels=s.take("kernels", _choice("auto", "c", "torch", "triton")),
         )
+        if s.ok("device", "kernels") and target.kernels == "c" and target.device.startswith("cuda"):
+            s.errs.add(s.key_path("kernels"), f"c is the C decoder on CPU; target.device is {target.device}")
+        return target
 
 
 # --------------------------------------------------------------------------- drafters

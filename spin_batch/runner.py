@@ -71,9 +71,13 @@ def check_models(job: JobConfig) -> list[str]:
     folders, checkpoints whose tensors do not fit their config.json (safetensors headers only), missing
     tokenizers, a context past a sliding window, early-exit depth, tokenizer mismatch, draft pairing."""
     try:
-        loader.resolve_device(job.target.device)
+        device = loader.resolve_device(job.target.device)
     except RuntimeError as e:
         return [f"target.device: {e}"]
+    try:  # the kernels target.kernels asks for (and the environment's overrides) can run here
+        loader.resolve_execution(job.target.kernels, device)
+    except loader.ExecutionError as e:
+        return [str(e)]
     problems = loader.check_model_ref(job.target.model)
     if problems:
         return problems
@@ -239,7 +243,8 @@ def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: tor
                 dtype = d.dtype or distilled_draft_dtype(job.target.dtype, device)
                 model = load_draft(draft_dir, target, loader.DTYPES[dtype], device, embeds, loop)
             else:
-                model = loader.load_model(draft_dir, d.dtype or job.target.dtype, device, loop)
+                model = loader.load_model(draft_dir, d.dtype or job.target.dtype, device, loop,
+                                          execution=target.execution)
             if model.spec.vocab_size != target.spec.vocab_size:
                 raise ValueError(f"drafter {d.name!r}: vocab size {model.spec.vocab_size} differs from the "
                                  f"target's {target.spec.vocab_size}")
@@ -287,7 +292,8 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     target_dir = loader.resolve_model_dir(job.target.model)
     tokenizer = loader.load_tokenizer(target_dir)
     loop = cpu_plan.workloads(job.batch.slots, job.spin.num_speculative_tokens if job.drafters else 0)
-    target = loader.load_model(target_dir, job.target.dtype, device, loop)
+    target = loader.load_model(target_dir, job.target.dtype, device, loop,
+                               execution=loader.resolve_execution(job.target.kernels, device))
     cache = target.allocate_cache(job.batch.slots, job.batch.max_model_len)
     drafters = build_drafters(job, target, cache, device)
     policy = make_policy(job.spin.selector, drafters, job.spin.num_speculative_tokens, job.sampling.seed,
@@ -298,12 +304,12 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
 
 
 def backends(engine: Engine) -> dict:
-    """Which path each model runs on and why (cpu_plan.py): the target's, and each model drafter's."""
-    out = {"target": engine.target.plan.describe()}
+    """Which path each model runs on and why (cpu_plan.py, execution.py): the target's, and each model drafter's."""
+    out = {"target": engine.target.backend()}
     for name, d in engine.loop.drafters.items():
         model = getattr(d, "model", None)
         if isinstance(model, LlamaModel) and model is not engine.target:
-            out[name] = model.plan.describe()
+            out[name] = model.backend()
     return out
 
 

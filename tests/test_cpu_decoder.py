@@ -113,12 +113,11 @@ def test_throughput_block_leaves_bfloat16_to_onednn_on_amx_only(lib, monkeypatch
 
 
 def test_off_and_unbuildable_fall_back_to_onednn(monkeypatch, tmp_path):
+    """A linear kept off the C path, and one where the library cannot be built (said once), run on oneDNN;
+    a job that asked for the C decoder is told why it cannot have it."""
     w = torch.randn(64, 32)
+    assert Linear(w, panel=False).panel is None and Linear(w).panel is not None
     try:
-        monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "off")
-        cpu_decoder.reset()
-        assert Linear(w).panel is None
-        monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "auto")
         monkeypatch.setenv("SPIN_BATCH_CACHE", str(tmp_path))  # nothing built there yet
         monkeypatch.setenv("CC", "no-such-compiler")
         cpu_decoder.reset()
@@ -126,13 +125,8 @@ def test_off_and_unbuildable_fall_back_to_onednn(monkeypatch, tmp_path):
             lin = Linear(w)
         assert lin.panel is None
         torch.testing.assert_close(lin(torch.ones(2, 32)), torch.ones(2, 32) @ w.T)
-        monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "on")
-        cpu_decoder.reset()
-        with pytest.raises(cpu_decoder.CpuDecoderUnavailable, match="no-such-compiler"):
-            Linear(w)
-        monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "sometimes")
-        with pytest.raises(ValueError, match="auto, on or off"):
-            cpu_decoder.mode()
+        with pytest.raises(cpu_decoder.CpuDecoderUnavailable, match="^target.kernels: c, but .*no-such-compiler"):
+            cpu_decoder.require("target.kernels: c")
     finally:
         monkeypatch.undo()
         cpu_decoder.reset()
@@ -145,33 +139,43 @@ def test_a_failed_compile_says_why(monkeypatch, tmp_path):
     try:
         monkeypatch.setenv("SPIN_BATCH_CACHE", str(tmp_path / "cache"))
         monkeypatch.setenv("CC", str(bad))
-        monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "on")
         cpu_decoder.reset()
         with pytest.raises(cpu_decoder.CpuDecoderUnavailable, match="internal error"):
-            cpu_decoder.library()
+            cpu_decoder.require("SPIN_BATCH_CPU_GEMM=on")
     finally:
         monkeypatch.undo()
         cpu_decoder.reset()
 
 
-def test_run_says_so_when_the_kernel_is_required_but_cannot_build(monkeypatch, tmp_path, tiny_dir):
+@pytest.mark.parametrize("asked", ["target.kernels: c", "SPIN_BATCH_CPU_GEMM=on"])
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_run_says_so_when_the_kernel_is_required_but_cannot_build(monkeypatch, tmp_path, tiny_dir, asked, command):
+    """The job (target.kernels: c) or the environment asks for the C decoder where it cannot be built: run and
+    validate both stop before any model loads, saying what asked for it and why it cannot be had."""
     import yaml
     from click.testing import CliRunner
     from conftest import write_jsonl
 
     from spin_batch.cli import main
+    from spin_batch.models import loader
 
     shard = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "red green"}])
     job = tmp_path / "job.yaml"
+    target = {"model": str(tiny_dir), **({"kernels": "c"} if asked.startswith("target") else {})}
     job.write_text(yaml.safe_dump({"input": {"paths": [str(shard)]}, "output": {"dir": str(tmp_path / "out")},
-                                   "target": {"model": str(tiny_dir)}, "sampling": {"max_tokens": 2}}))
+                                   "target": target, "sampling": {"max_tokens": 2}}))
     try:
         monkeypatch.setenv("SPIN_BATCH_CACHE", str(tmp_path / "cache"))
         monkeypatch.setenv("CC", "no-such-compiler")
-        monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "on")
+        if asked.startswith("target"):
+            monkeypatch.delenv("SPIN_BATCH_CPU_GEMM", raising=False)
+        else:
+            monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "on")
+        monkeypatch.setattr(loader, "load_state_dict", lambda *a: pytest.fail("a model loaded"))
         cpu_decoder.reset()
-        res = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
-        assert res.exit_code == 1 and "SPIN_BATCH_CPU_GEMM=on but the kernel cannot be built" in res.output
+        res = CliRunner().invoke(main, [command, str(job)])
+        assert res.exit_code == 1, res.output
+        assert f"{asked}, but the C decoder cannot be built here: no C compiler ('no-such-compiler'" in res.output
         assert "Traceback" not in res.output
     finally:
         monkeypatch.undo()

@@ -1,6 +1,6 @@
 """The CPU path each model runs on (spin_batch/models/cpu_plan.py): measured once per kind of machine and
-model shape, cached, never the slower path; forced by SPIN_BATCH_CPU_GEMM; bfloat16 on CPUs whose oneDNN
-refuses it."""
+model shape, cached, never the slower path; forced by the job's execution (target.kernels c or torch, or
+SPIN_BATCH_CPU_GEMM); bfloat16 on CPUs whose oneDNN refuses it."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from spin_batch.models import cpu_decoder, cpu_plan
+from spin_batch.models.execution import Execution
 from spin_batch.models.loader import load_model, read_spec
 from spin_batch.models.segments import Segments
 
@@ -42,15 +43,16 @@ def test_c_is_kept_unless_another_path_is_clearly_faster():
 def test_auto_measures_once_then_reads_the_choice_back(auto, tiny_dir):
     spec = read_spec(tiny_dir)
     loop = cpu_plan.workloads(3, 4)
-    first = cpu_plan.plan(spec, torch.float32, torch.device("cpu"), loop)
+    measured = Execution(cpu="auto")
+    first = cpu_plan.plan(spec, torch.float32, torch.device("cpu"), loop, measured)
     assert first.why.startswith("measured now") and set(first.ms["layers"]) == set(cpu_plan.LAYERS)
     assert first.layers == cpu_plan._pick(first.ms["layers"]) and first.lm_head == cpu_plan._pick(first.ms["lm_head"])
     stored = json.loads((auto / "cpu_decoder" / "plans.json").read_text())
     (key, record), = stored.items()
     assert cpu_decoder.build_key() in key and "3x1;3x5" in key and record["layers"] == first.layers
-    again = cpu_plan.plan(spec, torch.float32, torch.device("cpu"), loop)
+    again = cpu_plan.plan(spec, torch.float32, torch.device("cpu"), loop, measured)
     assert again.why.startswith("measured on this machine earlier") and again.ms == first.ms
-    other = cpu_plan.plan(spec, torch.float32, torch.device("cpu"), cpu_plan.workloads(8, 0))
+    other = cpu_plan.plan(spec, torch.float32, torch.device("cpu"), cpu_plan.workloads(8, 0), measured)
     assert other.why.startswith("measured now")  # other row counts: measured for them
     assert len(json.loads((auto / "cpu_decoder" / "plans.json").read_text())) == 2
 
@@ -83,22 +85,19 @@ def test_a_slow_c_build_is_never_the_default(auto, monkeypatch, tiny_dir, layers
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_forced_and_unmeasurable_plans_say_why(monkeypatch, tiny_dir):
+def test_forced_and_unmeasurable_plans_say_why(tiny_dir):
     spec = read_spec(tiny_dir)
     cpu = torch.device("cpu")
-    try:
-        monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "off")
-        cpu_decoder.reset()
-        assert cpu_plan.plan(spec, torch.float32, cpu, None) == cpu_plan.CpuPlan("torch", "torch", "SPIN_BATCH_CPU_GEMM=off")
-        monkeypatch.setenv("SPIN_BATCH_CPU_GEMM", "on")
-        cpu_decoder.reset()
-        assert cpu_plan.plan(spec, torch.float32, cpu, None).layers == "c"
-        half = cpu_plan.plan(spec, torch.float16, cpu, None)
-        assert half.layers == "torch" and "float16" in half.why
-        assert load_model(tiny_dir, "float16").c_decoder is None
-    finally:
-        monkeypatch.undo()
-        cpu_decoder.reset()
+    off = Execution(cpu="torch", overrides=("SPIN_BATCH_CPU_GEMM=off",))
+    assert cpu_plan.plan(spec, torch.float32, cpu, None, off) == cpu_plan.CpuPlan("torch", "torch", "SPIN_BATCH_CPU_GEMM=off")
+    job_torch = Execution(kernels="torch", cpu="torch")
+    assert cpu_plan.plan(spec, torch.float32, cpu, None, job_torch).why == "target.kernels: torch"
+    job_c = Execution(kernels="c", cpu="c")
+    assert cpu_plan.plan(spec, torch.float32, cpu, None, job_c) == cpu_plan.CpuPlan("c", "c", "target.kernels: c")
+    half = cpu_plan.plan(spec, torch.float16, cpu, None, job_c)
+    assert half.layers == "torch" and "float16" in half.why
+    assert load_model(tiny_dir, "float16").c_decoder is None
+    assert cpu_plan.plan(spec, torch.float32, torch.device("meta"), None, job_c) == cpu_plan.TORCH  # not on CPU
     with pytest.raises(ValueError, match="CPU path 'fast'"):
         cpu_plan.forced("fast")
 
@@ -114,6 +113,8 @@ def test_the_plan_is_in_the_summary(tmp_path, tiny_dir):
     backends = json.loads((tmp_path / "out" / "summary.json").read_text())["backends"]
     assert backends["target"]["layers"] == "c" and backends["target"]["why"] == "SPIN_BATCH_CPU_GEMM=on"
     assert backends["target"]["c_build"]["isa"] in ("avx512", "avx2", "neon", "generic")
+    assert (backends["target"]["kernels"], backends["target"]["triton"]) == ("auto", False)
+    assert backends["target"]["overridden_by"] == ["SPIN_BATCH_CPU_GEMM=on"]  # the environment (conftest) wins
     res = CliRunner().invoke(main, ["env", str(job)])
     assert res.exit_code == 0 and "c kernels" in res.output and "target\tlayers c" in res.output, res.output
 

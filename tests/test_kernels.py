@@ -26,8 +26,8 @@ from spin_kernels import (  # noqa: E402
     accept,
     kv_write,
     kv_write_ref,
+    problem,
     triton_available,
-    use_kernels,
     varlen_attention,
     varlen_attention_ref,
 )
@@ -406,38 +406,33 @@ def test_accept_fused_sampling_is_exact(sp):
 # -- dispatch switches -----------------------------------------------------------------------
 
 
-def test_use_kernels_switch(monkeypatch):
+def test_problem_says_where_the_kernels_run():
+    """CUDA tensors need Triton; CPU tensors the interpreter (which this process has unless it runs
+    compiled on a GPU); other devices none."""
     assert triton_available()
-    monkeypatch.setenv("SPIN_BATCH_KERNELS", "on")
-    assert use_kernels("cpu") and use_kernels(torch.device("cpu"))
-    monkeypatch.setenv("SPIN_BATCH_KERNELS", "off")
-    assert not use_kernels("cuda")
-    for auto in ("auto", None):
-        if auto is None:
-            monkeypatch.delenv("SPIN_BATCH_KERNELS")
-        else:
-            monkeypatch.setenv("SPIN_BATCH_KERNELS", auto)
-        assert not use_kernels("cpu")
-        assert use_kernels("cuda")
-        assert use_kernels(torch.device("cuda", 0))
-    monkeypatch.setenv("SPIN_BATCH_KERNELS", "maybe")
-    with pytest.raises(ValueError, match="SPIN_BATCH_KERNELS"):
-        use_kernels("cpu")
+    assert problem("cuda") is None and problem(torch.device("cuda", 0)) is None
+    assert "not on meta" in problem("meta")
+    if ON_GPU:
+        assert "TRITON_INTERPRET=1" in problem("cpu")
+    else:
+        assert problem("cpu") is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU import path")
 def test_cpu_kernels_work_without_triton_interpret_set():
-    """Without a GPU, importing spin_kernels turns the interpreter on by itself, so
-    SPIN_BATCH_KERNELS=on works on CPU tensors in a fresh process."""
+    """Without a GPU, importing spin_kernels turns the interpreter on by itself, so a job's
+    target.kernels: triton resolves and runs on CPU tensors in a fresh process."""
     code = (
-        "import torch, spin_kernels as K\n"
+        "import torch\n"
+        "from spin_batch.models.loader import resolve_execution\n"
+        "assert resolve_execution('triton', torch.device('cpu')).triton\n"
+        "import spin_kernels as K\n"
         "c = torch.zeros(2, 1, 4, 16); k = torch.ones(1, 1, 16)\n"
         "i = torch.tensor([1]); K.kv_write(c, c.clone(), i, torch.tensor([3]), k, k)\n"
         "assert c[1, 0, 3].sum().item() == 16 and c.sum().item() == 16\n"
-        "assert K.use_kernels('cpu')\n"
+        "assert K.problem('cpu') is None\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["SPIN_BATCH_KERNELS"] = "on"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SPIN_BATCH_KERNELS")}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
 

@@ -1,23 +1,25 @@
 """Triton kernels for the hot stages, each with a torch reference (`*_ref`; accept's is
-spin_batch.engine.verify.accept_ref, the rule the torch path runs)."""
+spin_batch.engine.verify.accept_ref, the rule the torch path runs).
+
+Whether a job runs on them is chosen once per job (spin_batch.models.loader.resolve_execution, from
+target.kernels and SPIN_BATCH_KERNELS); `problem()` says why they cannot run somewhere.
+"""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ._triton import HAVE_TRITON
+from ._triton import HAVE_TRITON, is_interpreted
 from .accept import accept
-from .kv_write import kv_write, kv_write_ref
+from .kv_write import _kv_write_kernel, kv_write, kv_write_ref
 from .varlen_attention import varlen_attention, varlen_attention_ref
 
 __all__ = [
     "accept",
     "kv_write",
     "kv_write_ref",
+    "problem",
     "triton_available",
-    "use_kernels",
     "varlen_attention",
     "varlen_attention_ref",
 ]
@@ -28,17 +30,18 @@ def triton_available() -> bool:
     return HAVE_TRITON
 
 
-def use_kernels(device: torch.device | str) -> bool:
-    """Whether to dispatch to the Triton kernels for tensors on `device`.
-
-    SPIN_BATCH_KERNELS=on: yes (CPU tensors then run under the Triton interpreter: slow, for
-    tests); off: no; auto or unset: yes iff the device is CUDA and triton is importable.
-    """
-    mode = os.environ.get("SPIN_BATCH_KERNELS", "auto").strip().lower()
-    if mode == "on":
-        return True
-    if mode == "off":
-        return False
-    if mode not in ("", "auto"):
-        raise ValueError(f"SPIN_BATCH_KERNELS must be on, off or auto, got {mode!r}")
-    return torch.device(device).type == "cuda" and HAVE_TRITON
+def problem(device: torch.device | str) -> str | None:
+    """Why the kernels cannot run on tensors of `device` in this process, or None where they can: CUDA
+    needs Triton; CPU needs the Triton interpreter (TRITON_INTERPRET=1 when triton was first imported,
+    which importing this package sets by itself on a machine without CUDA)."""
+    device = torch.device(device)
+    if not HAVE_TRITON:
+        return "Triton is not importable here"
+    if device.type == "cuda":
+        return None
+    if device.type != "cpu":
+        return f"they run on CUDA, and on CPU under the Triton interpreter, not on {device.type}"
+    if not is_interpreted(_kv_write_kernel):
+        return ("on CPU they run only under the Triton interpreter: set TRITON_INTERPRET=1 before triton is first "
+                "imported (this process imported it compiled, for the GPU)")
+    return None

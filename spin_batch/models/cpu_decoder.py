@@ -24,9 +24,9 @@ The library is built with the system C compiler ($CC, else cc) with -O3 -march=$
 feature flags (a cache shared over NFS by different nodes keeps one build per kind). It links against
 the OpenMP runtime torch has already loaded, so torch.set_num_threads applies to it.
 
-SPIN_BATCH_CPU_GEMM=auto|on|off (default auto: use it where the measurement says so, and when it cannot
-be built, warn once and fall back to oneDNN and torch; on: always, and fail if it cannot be built; off:
-never).
+Whether a job may use it is the job's choice (target.kernels, or SPIN_BATCH_CPU_GEMM: see execution.py):
+`library()` is for the measured path, which warns once where the library cannot be built and falls back
+to oneDNN and torch; `require()` for a job that asked for the C decoder, which then fails.
 
 A job that never compares one forward with another (no speculation: `spin-batch distill`'s teacher
 data) can trade that exactness for speed: models built inside `throughput_gemm()` hand bfloat16
@@ -76,13 +76,6 @@ _state: dict[str, object] = {}
 
 class CpuDecoderUnavailable(RuntimeError):
     pass
-
-
-def mode() -> str:
-    m = os.environ.get("SPIN_BATCH_CPU_GEMM", "auto").strip().lower() or "auto"
-    if m not in ("auto", "on", "off"):
-        raise ValueError(f"SPIN_BATCH_CPU_GEMM={m!r}: use auto, on or off")
-    return m
 
 
 def _cpu_flags() -> str:
@@ -142,13 +135,27 @@ def _build(compiler: str) -> Path:
 
 
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None where it is off or cannot be built (auto mode warns once)."""
-    m = mode()
-    if m == "off":
-        return None
-    if "lib" in _state:
-        return _state["lib"]
-    lib = None
+    """The compiled library, or None where it cannot be built (said once, with why)."""
+    if "lib" not in _state:
+        _load()
+        if _state["lib"] is None:
+            warnings.warn(f"spin-batch: the C decoder library is unavailable, using oneDNN and torch instead "
+                          f"({_state['error']})", stacklevel=2)
+    return _state["lib"]
+
+
+def require(why: str) -> ctypes.CDLL:
+    """The compiled library for a job that asked for it (`why`: what asked, e.g. "target.kernels: c");
+    CpuDecoderUnavailable, saying why, where it cannot be built."""
+    if "lib" not in _state:
+        _load()
+    if _state["lib"] is None:
+        raise CpuDecoderUnavailable(f"{why}, but the C decoder cannot be built here: {_state['error']}")
+    return _state["lib"]
+
+
+def _load() -> None:
+    """Builds (or finds) and loads the library into _state: lib, or None and error."""
     try:
         compiler = _compiler()
         if shutil.which(compiler) is None:
@@ -177,20 +184,13 @@ def library() -> ctypes.CDLL | None:
         for fn in (lib.spin_gemm_pack, lib.spin_gemm, lib.spin_gemm_pack_bf16, lib.spin_gemm_bf16, lib.spin_rms_norm):
             fn.restype = None
     except (CpuDecoderUnavailable, OSError, subprocess.SubprocessError) as e:
-        if m == "on":
-            raise CpuDecoderUnavailable(f"SPIN_BATCH_CPU_GEMM=on but the kernel cannot be built: {e}") from e
-        warnings.warn(f"spin-batch: the C decoder library is unavailable, using oneDNN and torch instead ({e})",
-                      stacklevel=2)
-        _state["error"] = str(e)
-        lib = None
+        _state["lib"], _state["error"] = None, str(e)
+        return
     _state["lib"] = lib
-    return lib
 
 
 def unavailable_reason() -> str:
     """Why library() returned None (after it did)."""
-    if mode() == "off":
-        return "SPIN_BATCH_CPU_GEMM=off"
     return str(_state.get("error", "not built"))
 
 

@@ -10,7 +10,8 @@ and its LM head on `c` or `torch`. Which is faster depends on the CPU far more t
 on a Zen4 or Sapphire Rapids the C path wins at the loop's batch sizes; a C build that is slow on some
 CPU (as our AVX2 build once was, 16x slower than torch on a Zen3) must never become the default there.
 
-So in auto mode (SPIN_BATCH_CPU_GEMM unset or `auto`) the first time this kind of machine meets a model's
+So on the `auto` path (execution.py: target.kernels auto, SPIN_BATCH_CPU_GEMM unset or `auto`) the first
+time this kind of machine meets a model's
 shapes, dtype, thread count and the loop's row counts, `plan()` builds one decoder layer and the LM head
 with random weights of those shapes, times every candidate on the loop's forwards (decode and verify
 rows at a context of CONTEXT tokens, the best of REPS runs each) and keeps the fastest. The C path is
@@ -18,9 +19,10 @@ kept unless another is more than C_MARGIN faster: it alone gives batch-invariant
 written to $SPIN_BATCH_CACHE/cpu_decoder/plans.json beside the library's builds, keyed by the build, so
 later runs (and the other tasks of a Slurm array on the same kind of node) read it instead of timing.
 
-SPIN_BATCH_CPU_GEMM=on forces `c` (and fails where the library cannot be built); `off` forces `torch`.
-Whatever was chosen, and why, is on the model (`LlamaModel.plan`), in summary.json and in
-`spin-batch env`.
+The `c` path (target.kernels: c, or SPIN_BATCH_CPU_GEMM=on) forces `c` wherever the C decoder takes the
+model (and fails where the library cannot be built); `torch` (target.kernels: torch or triton, or
+SPIN_BATCH_CPU_GEMM=off) forces `torch`. Whatever was chosen, and why, is on the model
+(`LlamaModel.plan`), in summary.json and in `spin-batch env`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 
 from ..cachedir import cache_root, file_lock, write_atomic
 from . import cpu_decoder
+from .execution import Execution
 from .segments import Segments
 
 LAYERS = ("c", "torch+c_attention", "torch")
@@ -88,33 +91,34 @@ def workloads(slots: int, speculative_tokens: int) -> tuple[tuple[int, int], ...
     return tuple(out)
 
 
-def _fixed(spec, dtype: torch.dtype) -> CpuPlan | None:
+def _fixed(spec, dtype: torch.dtype, execution: Execution) -> CpuPlan | None:
     """The plan when nothing needs measuring, else None."""
-    mode = cpu_decoder.mode()
-    if mode == "off":
-        return CpuPlan("torch", "torch", "SPIN_BATCH_CPU_GEMM=off")
+    why = execution.cpu_reason()
+    if execution.cpu == "torch":
+        return CpuPlan("torch", "torch", why)
     if dtype not in (torch.float32, torch.bfloat16):
         return CpuPlan("torch", "torch", f"{str(dtype).removeprefix('torch.')}: the C kernels take float32 and bfloat16")
-    lib = cpu_decoder.library()
+    lib = cpu_decoder.require(why) if execution.cpu == "c" else cpu_decoder.library()
     if lib is None:
         return CpuPlan("torch", "torch", f"the C library is unavailable ({cpu_decoder.unavailable_reason()})")
     if dtype == torch.bfloat16 and (spec.hidden_size % 2 or spec.intermediate_size % 2
                                     or (spec.num_heads * spec.head_dim) % 2):
         return CpuPlan("torch", "torch", "bfloat16 with an odd layer width: the C GEMM reads inputs in pairs")
     attention_ok = cpu_decoder.attention_applies(lib, dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-    if mode == "on":
+    if execution.cpu == "c":
         if not attention_ok:
-            return CpuPlan("torch", "c", "SPIN_BATCH_CPU_GEMM=on; the C attention does not take this head size")
-        return CpuPlan("c", "c", "SPIN_BATCH_CPU_GEMM=on")
+            return CpuPlan("torch", "c", f"{why}; the C attention does not take this head size")
+        return CpuPlan("c", "c", why)
     return None
 
 
-def plan(spec, dtype: torch.dtype, device: torch.device, loop: tuple[tuple[int, int], ...] | None) -> CpuPlan:
-    """The plan for a model of this spec and dtype on device, measured for the loop's forwards `loop`
-    (see workloads(); None: one slot, decode and a 4-token draft's verify)."""
+def plan(spec, dtype: torch.dtype, device: torch.device, loop: tuple[tuple[int, int], ...] | None,
+         execution: Execution) -> CpuPlan:
+    """The plan for a model of this spec and dtype on device, on the job's CPU path (execution.cpu: measured
+    for the loop's forwards `loop`, see workloads(); None: one slot, decode and a 4-token draft's verify)."""
     if device.type != "cpu":
         return TORCH
-    fixed = _fixed(spec, dtype)
+    fixed = _fixed(spec, dtype, execution)
     if fixed is not None:
         return fixed
     loop = loop or workloads(1, 4)

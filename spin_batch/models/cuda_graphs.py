@@ -18,12 +18,12 @@ at most MAX_GRAPHS shapes per model are kept; past that, new shapes run eagerly.
 the same kernels on the same shapes as the eager path, so its output is the same bit for bit
 (tests/test_cuda_graphs.py checks this on a GPU).
 
-SPIN_BATCH_CUDA_GRAPHS=on|off|auto (default auto: on where the Triton kernels run on CUDA).
+A model replays graphs where the job's execution (execution.py) has them: by default wherever the
+Triton kernels run on CUDA; SPIN_BATCH_CUDA_GRAPHS=on|off overrides that (loader.resolve_execution).
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass
 
@@ -33,32 +33,6 @@ MAX_SEGMENT = 16  # longest segment captured (decode is 1, a verify run 1 + gamm
 MAX_TOKENS = 1024  # most flat tokens in a captured forward
 MAX_GRAPHS = 256  # shapes kept per model
 CAPTURE_AFTER = 2  # a shape is captured when it is seen this many times
-
-ENV = "SPIN_BATCH_CUDA_GRAPHS"
-
-
-def mode() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in ("on", "off", "auto"):
-        raise ValueError(f"{ENV} must be on, off or auto, got {value!r}")
-    return value
-
-
-def enabled(device: torch.device, kernels) -> bool:
-    """Whether a model on `device` (with the Triton module `kernels`, or None) replays graphs.
-
-    Graphs need CUDA tensors and the Triton path (the torch attention plans its batch on the
-    host each step). `on` where that is missing is an error, not a silent fallback.
-    """
-    m = mode()
-    if m == "off":
-        return False
-    ok = device.type == "cuda" and kernels is not None
-    if m == "on" and not ok:
-        raise RuntimeError(f"{ENV}=on needs a CUDA device and the Triton kernels "
-                           f"(device {device}, kernels {'on' if kernels is not None else 'off'})")
-    return ok
-
 
 @dataclass
 class _Graph:

@@ -113,9 +113,9 @@ def normalize(h: torch.Tensor, eps: float) -> torch.Tensor:
 class FeatureHead:
     """A draft's output side: normed hidden state -> predicted target feature g [E] -> logits over the kept ids."""
 
-    def __init__(self, proj: torch.Tensor, head: torch.Tensor):
-        self.proj = Linear(proj)  # [E, C]
-        self.head = Linear(head)  # [K, E]: target embedding rows of the kept ids times the target's norm weight
+    def __init__(self, proj: torch.Tensor, head: torch.Tensor, panel: bool | None = None):
+        self.proj = Linear(proj, panel=panel)  # [E, C]
+        self.head = Linear(head, panel=panel)  # [K, E]: target embedding rows of the kept ids times the target's norm weight
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the draft's final-normed hidden state (LlamaModel.normed(h, model.norm))."""
@@ -126,7 +126,8 @@ class FeatureHead:
 def load_draft(draft_dir: Path, target: LlamaModel, dtype: torch.dtype, device: torch.device,
                embeds: dict[torch.dtype, torch.Tensor] | None = None,
                loop: tuple[tuple[int, int], ...] | None = None) -> LlamaModel:
-    """An inference LlamaModel for a distilled draft, sharing the target's embedding tensor.
+    """An inference LlamaModel for a distilled draft, sharing the target's embedding tensor and running on
+    the target's kernels (its `execution`).
 
     A feature-reading draft gets a `feature_head` (FeatureHead); a plain one a precomputed
     [K, C] lm_head, so one matmul scores the kept ids. `embeds` caches the target's embedding
@@ -159,10 +160,12 @@ def load_draft(draft_dir: Path, target: LlamaModel, dtype: torch.dtype, device: 
     # The target's head restricted to the kept ids, with its final norm weight folded in: [K, E].
     head_e = embed[vocab_ids].float() * target.norm.float()
     proj = sd["lm_head_proj.weight"].to(device=device, dtype=torch.float32)  # [E, C]
-    plan = cpu_plan.plan(replace(spec, vocab_size=len(vocab_ids)), dtype, torch.device(device), loop)
+    execution = target.execution
+    plan = cpu_plan.plan(replace(spec, vocab_size=len(vocab_ids)), dtype, torch.device(device), loop, execution)
     model = LlamaModel(spec, embed, LlamaModel.layers_from_state_dict(spec, get, plan.c_linears),
                        get("model.norm.weight"), (head_e @ proj).to(dtype).contiguous(),
-                       embed_proj=get("model.embed_proj.weight"), vocab_ids=vocab_ids, plan=plan)
+                       embed_proj=get("model.embed_proj.weight"), vocab_ids=vocab_ids, plan=plan, execution=execution)
     if meta.get("reads_target_features"):
-        model.feature_head = FeatureHead(proj.to(dtype).contiguous(), head_e.to(dtype).contiguous())
+        model.feature_head = FeatureHead(proj.to(dtype).contiguous(), head_e.to(dtype).contiguous(),
+                                         panel=False if execution.cpu == "torch" else None)
     return model

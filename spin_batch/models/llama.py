@@ -9,7 +9,6 @@ logits only at the rows asked for.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from . import cpu_decoder, cpu_plan, cuda_graphs
 from .cache import KVCache
 from .cpu_plan import CpuPlan
+from .execution import Execution
 from .segments import Segments
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -197,18 +197,14 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def kernels_module(device: torch.device):
-    """spin_kernels (the Triton kernels) when the Triton path is on for this device, else None.
-
-    SPIN_BATCH_KERNELS=on|off|auto (default auto: on for CUDA tensors when Triton imports). The
-    module is imported only when it may be used: importing Triton costs start-up time.
-    """
-    mode = os.environ.get("SPIN_BATCH_KERNELS", "auto").strip().lower()
-    if mode == "off" or (mode in ("", "auto") and device.type != "cuda"):
+def triton_kernels(execution: Execution):
+    """spin_kernels (the Triton kernels) where the job runs on them (execution.py), else None. Imported
+    only then: importing Triton costs start-up time."""
+    if not execution.triton:
         return None
     import spin_kernels
 
-    return spin_kernels if spin_kernels.use_kernels(device) else None
+    return spin_kernels
 
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -476,11 +472,15 @@ class LlamaModel:
         embed_proj: torch.Tensor | None = None,  # [C, E]: embeddings of width E projected to C
         vocab_ids: torch.Tensor | None = None,  # [K] long: target id of each lm_head row
         plan: CpuPlan | None = None,  # the CPU path (cpu_plan.py); None: the C kernels wherever they apply
+        execution: Execution | None = None,  # the job's kernels (execution.py); None: Execution()
     ):
         self.spec = spec
-        self.plan = plan or (cpu_plan.DEFAULT_C if embed.device.type == "cpu" else cpu_plan.TORCH)
+        self.execution = execution or Execution()
+        on_cpu = embed.device.type == "cpu"
+        self.plan = plan or (cpu_plan.DEFAULT_C if on_cpu and self.execution.cpu != "torch" else cpu_plan.TORCH)
         self.embed = embed
-        self.embed_proj = None if embed_proj is None else Linear(embed_proj)
+        c_gemm = False if self.execution.cpu == "torch" else None  # else the C GEMM wherever it applies
+        self.embed_proj = None if embed_proj is None else Linear(embed_proj, panel=c_gemm)
         self.vocab_ids = vocab_ids
         self.feature_head = None  # a FeatureHead (models/distilled.py) for drafts that read target features
         # The residual stream and the RMS norms run in float32 whatever the weights' dtype: in
@@ -490,13 +490,15 @@ class LlamaModel:
             lw.attn_norm, lw.mlp_norm = lw.attn_norm.float(), lw.mlp_norm.float()
         self.layers = layers
         self.norm = norm.float()
-        self.lm_head = Linear(lm_head, panel=None if plan is None else plan.lm_head == "c")
+        self.lm_head = Linear(lm_head, panel=None if self.plan is cpu_plan.DEFAULT_C else self.plan.lm_head == "c")
         self.dtype = embed.dtype
         self.device = embed.device
-        self.kernels = kernels_module(self.device)  # Triton kernels, or None for the torch path
+        self.kernels = triton_kernels(self.execution)  # Triton kernels, or None for the torch path
         # CUDA graphs of the short (decode, verify) forwards on the Triton path, or None
-        self.graphs = cuda_graphs.StepGraphs(self) if cuda_graphs.enabled(self.device, self.kernels) else None
-        self.cpu_lib = cpu_decoder.library() if self.device.type == "cpu" else None  # the C norm, or None
+        graphs = self.execution.cuda_graphs and self.device.type == "cuda" and self.kernels is not None
+        self.graphs = cuda_graphs.StepGraphs(self) if graphs else None
+        # the C norm, or None
+        self.cpu_lib = cpu_decoder.library() if on_cpu and self.execution.cpu != "torch" else None
         # The C attention (cpu_decoder.c) on CPU where the plan has it and it takes this model, else the torch path.
         self.c_attention = self.cpu_lib is not None and self.plan.c_attention and cpu_decoder.attention_applies(
             self.cpu_lib, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
@@ -509,12 +511,17 @@ class LlamaModel:
                                               head_dim=spec.head_dim, intermediate=spec.intermediate_size,
                                               eps=spec.rms_norm_eps)
 
+    def backend(self) -> dict:
+        """The path this model runs on and why, for summary.json's `backends`: the CPU plan (layers, lm_head,
+        why, ...) and the job's kernels (kernels, triton, cuda_graphs, any environment override)."""
+        return {**self.plan.describe(), **self.execution.describe()}
+
     # -- construction -------------------------------------------------------------------
 
     @classmethod
     def from_state_dict(
         cls, spec: ModelSpec, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str,
-        plan: CpuPlan | None = None,
+        plan: CpuPlan | None = None, execution: Execution | None = None,
     ) -> "LlamaModel":
         """Raises CheckpointError unless sd holds exactly the tensors the spec reads (expected_tensors)."""
         problem = tensor_problem(spec, expected_tensors(spec, sd), sd)
@@ -531,7 +538,7 @@ class LlamaModel:
             and torch.equal(sd[EMBED_TENSOR], sd[HEAD_TENSOR]))
         head = embed if shared else get(HEAD_TENSOR)
         layers = cls.layers_from_state_dict(spec, get, None if plan is None else plan.c_linears)
-        return cls(spec, embed, layers, get("model.norm.weight"), head, plan=plan)
+        return cls(spec, embed, layers, get("model.norm.weight"), head, plan=plan, execution=execution)
 
     @staticmethod
     def layers_from_state_dict(spec: ModelSpec, get, panel: bool | None = None) -> list[LayerWeights]:

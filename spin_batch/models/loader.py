@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from ..cachedir import cache_root, file_lock
-from . import cpu_plan
+from . import cpu_decoder, cpu_plan
+from .execution import CHOICES, ENV_CPU, ENV_GRAPHS, ENV_TRITON, Execution
 from .llama import CheckpointError, LlamaModel, ModelSpec, expected_tensors, tensor_problem
 
 BUILTIN_PREFIX = "builtin:"
@@ -41,12 +42,69 @@ class TokenizerError(ValueError):
     """A model folder's tokenizer is missing or does not load."""
 
 
+class ExecutionError(ValueError):
+    """The kernels a job asks for (target.kernels, or an environment override) cannot run here."""
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device {device!r} requested but CUDA is not available")
     return torch.device(device)
+
+
+def _env_switch(name: str) -> str:
+    """on, off or auto (unset or empty: auto) from the environment variable `name`."""
+    value = os.environ.get(name, "").strip().lower() or "auto"
+    if value not in ("on", "off", "auto"):
+        raise ExecutionError(f"{name}={value!r}: use on, off or auto")
+    return value
+
+
+def _triton_problem(device: torch.device) -> str | None:
+    try:
+        import spin_kernels
+    except ImportError as e:  # a broken install: the package is part of spin-batch
+        return f"the Triton kernels do not import ({e})"
+    return spin_kernels.problem(device)
+
+
+def resolve_execution(kernels: str, device: torch.device) -> Execution:
+    """The kernels every model of a job runs on: target.kernels (`kernels`, see execution.py) on `device`,
+    with the environment's overrides. Called once per job, before any model loads (validate calls it too).
+    Raises ExecutionError where the choice cannot run here: Triton that does not import (or, on CPU, runs
+    compiled), the C decoder on another device than the CPU or where it does not build, CUDA graphs
+    without CUDA and the Triton kernels. `auto` never fails: it takes what runs."""
+    if kernels not in CHOICES:
+        raise ExecutionError(f"target.kernels: {kernels!r}: use one of {', '.join(CHOICES)}")
+    env = {name: _env_switch(name) for name in (ENV_CPU, ENV_TRITON, ENV_GRAPHS)}
+    overrides = tuple(f"{name}={v}" for name, v in env.items() if v != "auto")
+    if kernels == "c" and device.type != "cpu":
+        raise ExecutionError(f"target.kernels: c is the C decoder on CPU; target.device is {device}")
+    cpu = {"c": "c", "torch": "torch", "triton": "torch"}.get(kernels, "auto")
+    if env[ENV_CPU] != "auto":
+        cpu = "c" if env[ENV_CPU] == "on" else "torch"
+    triton = kernels == "triton" or (kernels == "auto" and device.type == "cuda")
+    if env[ENV_TRITON] != "auto":
+        triton = env[ENV_TRITON] == "on"
+    problem = _triton_problem(device) if triton else None
+    if problem and kernels == "auto" and env[ENV_TRITON] == "auto":
+        triton = False  # auto on CUDA without Triton: torch
+    elif problem:
+        asked = f"{ENV_TRITON}=on" if env[ENV_TRITON] == "on" else "target.kernels: triton"
+        raise ExecutionError(f"{asked}: the Triton kernels cannot run here: {problem}")
+    graphs = env[ENV_GRAPHS] != "off" and triton and device.type == "cuda"
+    if env[ENV_GRAPHS] == "on" and not graphs:
+        raise ExecutionError(f"{ENV_GRAPHS}=on needs a CUDA device and the Triton kernels (device {device}, "
+                             f"Triton kernels {'on' if triton else 'off'})")
+    execution = Execution(kernels, cpu, triton, graphs, overrides)
+    if cpu == "c" and device.type == "cpu":
+        try:
+            cpu_decoder.require(execution.cpu_reason())
+        except cpu_decoder.CpuDecoderUnavailable as e:
+            raise ExecutionError(str(e)) from None
+    return execution
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -213,16 +271,19 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(model_dir: Path, dtype: str = "float32", device: str | torch.device = "cpu",
-               loop: tuple[tuple[int, int], ...] | None = None, plan: cpu_plan.CpuPlan | None = None) -> LlamaModel:
-    """The model, on the CPU path measured fastest here for the loop's forwards (cpu_plan.workloads()),
-    or on `plan` where given. Raises CheckpointError (naming the folder) where the weights are unreadable
-    or not those config.json's architecture reads."""
+               loop: tuple[tuple[int, int], ...] | None = None, plan: cpu_plan.CpuPlan | None = None,
+               execution: Execution | None = None) -> LlamaModel:
+    """The model, on the job's kernels (`execution`, from resolve_execution; None: resolved here for
+    target.kernels auto) and, where they leave it to measurement, the CPU path measured fastest here for
+    the loop's forwards (cpu_plan.workloads()); on `plan` where given. Raises CheckpointError (naming the
+    folder) where the weights are unreadable or not those config.json's architecture reads."""
     spec = read_spec(model_dir)
     sd = load_state_dict(model_dir)
     dev = torch.device(device) if isinstance(device, str) else device
-    plan = plan or cpu_plan.plan(spec, DTYPES[dtype], dev, loop)
+    execution = execution or resolve_execution("auto", dev)
+    plan = plan or cpu_plan.plan(spec, DTYPES[dtype], dev, loop, execution)
     try:
-        return LlamaModel.from_state_dict(spec, sd, DTYPES[dtype], dev, plan)
+        return LlamaModel.from_state_dict(spec, sd, DTYPES[dtype], dev, plan, execution)
     except CheckpointError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
 
