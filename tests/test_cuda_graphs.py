@@ -126,13 +126,11 @@ def _run(model, tok, slots: int, policy, drafters=()) -> dict[str, list[int]]:
     loop = BatchLoop(model, tok, settings, policy, {d.name: d for d in drafters}, cache)
     prompts = ["the quick brown fox jumps over the lazy dog. the quick brown fox", "compute 12 * 7 = 84 and 9 + 10 =",
                "red green blue red green blue red", "a", "what causes the tides?"]
-    out: dict[str, list[int]] = {}
-    loop.on_finish = lambda s: out.__setitem__(s.req.id, list(s.generated))
-    rows: list[dict] = []
+    done = []
     loop.run(iter([Request(source="mem", id=str(i), prompt=p, messages=None) for i, p in enumerate(prompts)]),
-             lambda r: tok.encode(r.prompt), rows.append)
-    assert [r["status"] for r in rows] == ["ok"] * len(prompts)
-    return out
+             lambda r: tok.encode(r.prompt), done.append)
+    assert [c.status for c in done] == ["ok"] * len(prompts)
+    return {c.request.id: list(c.token_ids) for c in done}
 
 
 @gpu
