@@ -42,7 +42,8 @@ from .engine.loop import BatchLoop
 from .records import Completion
 from .bench_policies import assigned_policy
 from .selection.factory import make_policy
-from .io.reader import Request, iter_requests, list_shards
+from .io.reader import Request, iter_requests
+from .io.shards import list_shards
 from .runner import Engine, backends, build_engine, make_encoder
 from .stats import RunStats
 

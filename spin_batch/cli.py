@@ -82,7 +82,7 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_
 
 
 def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job):
-    from .io.reader import InputError
+    from .io.shards import InputError
     from .io.writer import OutputError
     from .models.cpu_decoder import CpuDecoderUnavailable
     from .models.loader import ModelNotFoundError
@@ -295,7 +295,7 @@ def distill(target, prompts, out_dir, sizes, heldout, steps, epochs, lr, batch_t
     from .distill import DistillSettings, run_distill
     from .distill.net import parse_sizes
     from .distill.train import TrainSettings
-    from .io.reader import list_shards
+    from .io.shards import list_shards
     from .models.loader import ModelNotFoundError, check_model_ref
 
     try:

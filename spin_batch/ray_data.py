@@ -36,7 +36,8 @@ from typing import Any
 import pyarrow as pa
 
 from .config import ConfigError, JobConfig, job_to_dict, load_job, parse_job
-from .io.reader import column_problems, requests_from_rows
+from .io.reader import requests_from_rows
+from .io.rows import column_problems
 from .io.writer import OUTPUT_SCHEMA
 
 #: The output columns added to each row ("id" is the input's own column; "source" means a shard row).

@@ -33,11 +33,15 @@ from .drafters.ngram import NgramDrafter
 from .drafters.vote import VoteDrafter
 from .engine.loop import BatchLoop, LoopSettings
 from .selection.factory import make_policy
-from .engine.sampling import SamplingParams
+from .records import Completion, Request
+from .sampling import SamplingParams
+from .export import write_results
 from .fingerprint import check_fingerprint
-from .io.reader import (InputError, Request, _file_format, assign, check_columns, check_input, count_rows,
-                        iter_requests, list_shards, shard_defaults_from_env, worker_sources)
-from .io.writer import (OutputWriter, StatsWriter, cleanup_temp, drop_superseded, make_run_id, read_done,
+from .io.checks import check_columns, check_input
+from .io.reader import iter_requests
+from .io.shards import (InputError, assign, count_rows, file_format, list_shards, shard_defaults_from_env,
+                        worker_sources)
+from .io.writer import (OutputWriter, completion_row, StatsWriter, cleanup_temp, drop_superseded, make_run_id, read_done,
                         write_json_atomic)
 from .models import cpu_plan, loader
 from .models.distilled import TargetFeatures, check_pairing, draft_meta, load_draft
@@ -434,8 +438,8 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
     last_interval = [time.monotonic()]
     emitted = [0]
 
-    def emit(row: dict) -> None:
-        writer.add(row)
+    def emit(done: Completion) -> None:
+        writer.add(completion_row(done, model=job.target.model, prefix=job.output.column_prefix))
         emitted[0] += 1
         bar.update(1)
 
@@ -479,6 +483,8 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
     }
     name = "summary.json" if num_shards == 1 else f"summary-{worker}.json"
     write_json_atomic(out / name, summary)
+    if stop.signum is None:  # this worker is done: the merged files of every worker's rows so far
+        write_results(out, job.output.format, job.target.model)
     return RunResult(summary, stop.signum)
 
 
@@ -554,7 +560,7 @@ def worker_rows(shards: list[Path], shard_index: int, num_shards: int, done_sour
     """``(rows, done)``: how many input rows are this worker's, and how many of them ``done_sources``
     holds; None where it is not cheap to know (JSONL past ``jsonl_budget`` bytes, a file that cannot be
     read: the run reports that when it gets there). The rows are those the reader deals this worker
-    (io.reader.assign: whole files, or every num_shards-th row): Parquet rows come from the file
+    (io.shards.assign: whole files, or every num_shards-th row): Parquet rows come from the file
     metadata, JSONL rows are counted as the reader yields them (a non-blank line, or one over
     max_line_bytes, is a row), unparsed."""
     files, modulo = assign(shards, shard_index, num_shards)
@@ -563,7 +569,7 @@ def worker_rows(shards: list[Path], shard_index: int, num_shards: int, done_sour
         names = {str(Path(p).resolve()) for p in files}
         done = sum(1 for s in done_sources if s.rpartition("#")[0] in names)
     try:
-        if sum(Path(p).stat().st_size for p in files if _file_format(Path(p)) != "parquet") > jsonl_budget:
+        if sum(Path(p).stat().st_size for p in files if file_format(Path(p)) != "parquet") > jsonl_budget:
             return None, done
         if modulo is None:
             return sum(count_rows(p, max_line_bytes) for p in files), done

@@ -12,7 +12,9 @@ import pytest
 from spin_batch import runner
 from spin_batch.config import ConfigError, parse_job
 from spin_batch.io.params import ParamError, body_params, column_params, row_params
-from spin_batch.io.reader import InputError, check_columns, check_input, iter_requests, list_shards
+from spin_batch.io.checks import check_columns, check_input
+from spin_batch.io.reader import iter_requests
+from spin_batch.io.shards import InputError, list_shards
 from spin_batch.records import NO_PARAMS, RowParams
 
 from conftest import write_jsonl

@@ -1,4 +1,4 @@
-"""Tests for spin_batch.io.reader."""
+"""Tests for spin_batch.io's input side: shards, rows, openai_request, reader and checks."""
 
 from __future__ import annotations
 
@@ -10,17 +10,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from spin_batch.io import reader
-from spin_batch.io.reader import (
-    InputError,
-    Request,
-    assign,
-    check_input,
-    iter_requests,
-    list_shards,
-    shard_defaults_from_env,
-)
-from spin_batch.records import NO_PARAMS, RowParams
+from spin_batch.io import checks, reader
+from spin_batch.io import shards as shards_module
+from spin_batch.io.checks import check_columns, check_input
+from spin_batch.io.reader import iter_requests
+from spin_batch.io.shards import (InputError, assign, count_rows, list_shards, shard_defaults_from_env,
+                                  worker_sources)
+from spin_batch.records import NO_PARAMS, Request, RowParams
 
 from test_cli_e2e import _isolate_process_state  # noqa: F401  (autouse: a real run below installs signal handlers)
 
@@ -196,7 +192,7 @@ def test_uneven_files_deal_rows(tmp_path: Path, sizes: tuple[int, ...]) -> None:
     combined = [s for sources in per_worker for s in sources]
     assert len(set(combined)) == len(combined) == sum(sizes)
     for w in range(4):  # the rows the bar counts (runner.worker_rows) are the rows read
-        assert list(reader.worker_sources(shards, w, 4)) == per_worker[w]
+        assert list(worker_sources(shards, w, 4)) == per_worker[w]
 
 
 def test_even_files_are_dealt_whole(tmp_path: Path) -> None:
@@ -204,8 +200,7 @@ def test_even_files_are_dealt_whole(tmp_path: Path) -> None:
         prompts_file(tmp_path / f"f{i}.jsonl", i * 100, n)
     shards = list_shards([str(tmp_path)])
     assert assign(shards, 1, 2) == ([shards[1], shards[3]], None)  # 23 and 19 rows of 42
-    assert list(reader.worker_sources(shards, 1, 2)) == [r.source for r in iter_requests(shards, shard_index=1,
-                                                                                            num_shards=2)]
+    assert list(worker_sources(shards, 1, 2)) == [r.source for r in iter_requests(shards, shard_index=1, num_shards=2)]
 
 
 def test_the_demo_prompts_are_dealt_by_rows_over_three_tasks() -> None:
@@ -233,10 +228,10 @@ def test_worker_sources_pass_rows_over_unparsed(tmp_path: Path) -> None:
     """A bad line counts as a row (it is an error row) wherever it is dealt; blank lines do not."""
     path = write_jsonl(tmp_path / "a.jsonl", [{"id": "a", "prompt": "p"}, "", b"{broken", {"id": "b", "prompt": "q"}])
     shards = list_shards([str(path)])
-    assert list(reader.worker_sources(shards, 1, 2)) == [f"{shards[0]}#2"]
+    assert list(worker_sources(shards, 1, 2)) == [f"{shards[0]}#2"]
     assert [r.error for r in iter_requests(shards, shard_index=1, num_shards=2)] == [
         "invalid JSON: Expecting property name enclosed in double quotes (column 2)"]
-    assert reader.count_rows(shards[0]) == 3
+    assert count_rows(shards[0]) == 3
 
 
 # --------------------------------------------------------------------------
@@ -300,20 +295,20 @@ def test_jsonl_columns_checked_from_the_first_rows(tmp_path: Path) -> None:
     rows = [{"id": f"r{i}", "prompt": f"p{i}"} for i in range(150)]
     path = write_jsonl(tmp_path / "a.jsonl", ["", b"not json", *rows])
     shards = [path.resolve()]
-    reader.check_columns(shards)  # fine as it is
+    check_columns(shards)  # fine as it is
     with pytest.raises(InputError, match=r"a.jsonl: needs a prompt column 'promt' or a messages column 'messages': "
                                          r"none of its first 99 rows has it \(fields: id, prompt\)"):
-        reader.check_columns(shards, prompt_column="promt")
+        check_columns(shards, prompt_column="promt")
     with pytest.raises(InputError, match="missing id column 'uid'"):
-        reader.check_columns(shards, id_column="uid")
+        check_columns(shards, id_column="uid")
     # a field that only later rows have is not looked for past the first rows
     late = write_jsonl(tmp_path / "late.jsonl", [{"id": "x", "messages": None}] * 3 + [{"id": "y", "prompt": "p"}])
-    reader.check_columns([late.resolve()], jsonl_rows=4)
+    check_columns([late.resolve()], jsonl_rows=4)
     with pytest.raises(InputError, match="none of its first 3 rows"):
-        reader.check_columns([late.resolve()], jsonl_rows=3, messages_column="chat")
+        check_columns([late.resolve()], jsonl_rows=3, messages_column="chat")
     # nothing to judge by: no JSON objects among the first rows
     junk = write_jsonl(tmp_path / "junk.jsonl", [b"[1]", b"{bad"])
-    reader.check_columns([junk.resolve()], prompt_column="promt")
+    check_columns([junk.resolve()], prompt_column="promt")
 
 
 def test_parquet_rows_and_custom_columns(tmp_path: Path) -> None:
@@ -408,7 +403,7 @@ def test_a_parquet_shard_without_the_params_column_is_an_input_error(tmp_path: P
     with pytest.raises(InputError, match=r"missing params column 'sampling' \(input.params_column\)"):
         all_requests(path, params_column="sampling")
     with pytest.raises(InputError, match="missing params column"):
-        reader.check_columns([path.resolve()], params_column="sampling")
+        check_columns([path.resolve()], params_column="sampling")
 
 
 def test_keep_columns_jsonl(tmp_path: Path) -> None:
@@ -689,7 +684,9 @@ def test_check_input_max_rows(tmp_path: Path) -> None:
 
 
 def test_reader_module_exports() -> None:
-    assert set(reader.__all__) >= {"Request", "InputError", "list_shards", "iter_requests", "check_input"}
+    assert set(shards_module.__all__) >= {"InputError", "list_shards", "assign", "count_rows", "worker_sources"}
+    assert set(reader.__all__) >= {"iter_requests", "requests_from_rows"}
+    assert set(checks.__all__) >= {"check_input", "check_columns"}
 
 
 # --------------------------------------------------------------------------

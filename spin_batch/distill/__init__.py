@@ -75,7 +75,7 @@ def teacher_dtype(s: DistillSettings, device: torch.device) -> str:
 
 def teacher_key(s: DistillSettings, prompts: tuple[str, ...], fp: str, dtype: str) -> str:
     """What the greedy teacher data depends on (prompt files by content): a rerun with the same key reuses it."""
-    from ..io.reader import list_shards
+    from ..io.shards import list_shards
 
     contents = [(str(f), hashlib.sha256(f.read_bytes()).hexdigest()) for f in list_shards(list(prompts))]
     return data_key(DATA_VERSION, fp, contents, s.max_tokens, s.topk, s.train.seed, dtype)

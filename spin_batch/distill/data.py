@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from ..config import parse_job
-from ..io.reader import iter_requests, list_shards
+from ..io.reader import iter_requests
+from ..io.shards import list_shards
 from ..io.writer import read_outputs
 from ..models.distilled import normalize
 from ..models.llama import LlamaModel
