@@ -37,14 +37,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .bench_policies import assigned_policy
 from .config import JobConfig
 from .engine.loop import BatchLoop
-from .records import Completion
-from .bench_policies import assigned_policy
-from .selection.factory import make_policy
-from .io.reader import Request, iter_requests
+from .io.reader import iter_requests
 from .io.shards import list_shards
+from .records import Completion, Request
 from .runner import Engine, backends, build_engine, make_encoder
+from .selection.factory import make_policy
 from .stats import RunStats
 
 

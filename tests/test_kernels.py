@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not importable")
 
-from spin_batch.engine.sampling import SamplingParams, probs_from_logits  # noqa: E402
+from spin_batch.sampling import SamplingParams, probs_from_logits  # noqa: E402
 from spin_batch.engine.verify import accept_fused, accept_greedy, accept_ref  # noqa: E402
 from spin_kernels import (  # noqa: E402
     accept,
@@ -360,7 +360,7 @@ def test_accept_fused_greedy_equals_accept_greedy(ties):
 
     kw, drafts = _accept_inputs(40 + ties, ties=ties, agree=0.85)
     want = accept_greedy(kw["target_logits"], drafts)
-    got = accept_fused(K, kw["target_logits"], drafts, None, None, SamplingParams())
+    got = accept_fused(K, kw["target_logits"], drafts, None, [None] * len(drafts), [SamplingParams()] * len(drafts))
     assert got == want
     assert any(a == len(d) and len(d) > 0 for a, d in zip(want.accepted, drafts))
     assert any(a < len(d) for a, d in zip(want.accepted, drafts))
@@ -388,7 +388,7 @@ def test_accept_fused_sampling_is_exact(sp):
             drafts.append([2]), probs.append(None)  # deterministic
     rows = torch.cat([logits[: len(d) + 1] for d in drafts]).to(DEVICE)
     gens = [_gen(100 + i) for i in range(n)]
-    v = accept_fused(K, rows, drafts, probs, gens, sp)
+    v = accept_fused(K, rows, drafts, probs, gens, [sp] * n)
     assert [len(t) for t in v.tokens] == [k + 1 for k in v.accepted]
     assert all(t[: k] == d[: k] for t, k, d in zip(v.tokens, v.accepted, drafts))
     for kind in range(3):
@@ -399,7 +399,7 @@ def test_accept_fused_sampling_is_exact(sp):
     # the same streams give the same verdicts
     m = 30
     again = accept_fused(K, rows[: sum(len(d) + 1 for d in drafts[:m])], drafts[:m], probs[:m],
-                         [_gen(100 + i) for i in range(m)], sp)
+                         [_gen(100 + i) for i in range(m)], [sp] * m)
     assert again.tokens == v.tokens[:m]
 
 
