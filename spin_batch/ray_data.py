@@ -13,11 +13,22 @@ sections set up each actor's engine; from `input` only the column names, `chat_t
 resuming or sharding is Ray's business here). `generate` checks the job and the models on the
 driver, so a bad job fails before any actor starts or any weights load.
 
-Every output row is its input row (all columns kept, in the same order) plus the columns of
-`spin-batch run`'s outputs (`text`, `finish_reason`, `prompt_tokens`, `completion_tokens`,
-`status`, `error`, the speculation counts, `drafter_pulls`, `decode_time_s`). A bad row (no id,
+Every output row is its input row (the columns `output.keep_columns` picks: all by default, in
+the same order; the id column always) plus the columns of `spin-batch run`'s outputs (`text`,
+`finish_reason`, `prompt_tokens`, `completion_tokens`, `status`, `error`, the speculation counts,
+`drafter_pulls`, `decode_time_s`). An input column named like one of those comes back as
+`output.column_prefix` + its name (`input_text`), as on `spin-batch run`'s path. A bad row (no id,
 no prompt, a malformed `messages`, a prompt too long, an id repeated within the batch) becomes a
 row with `status` "error" and a message; the batch goes on.
+
+`preprocess` and `postprocess`, as in Ray Data LLM's processors, run inside each actor's batch
+call. preprocess(row) -> dict maps an input row to the row spin-batch decodes: the job's id column
+and its prompt or messages column (and its `input.params_column`, for the row's own sampling
+settings); from there on that row is the input row (return `{**row, ...}` to keep the original
+columns). A preprocess that raises makes that row an error row (its original columns kept).
+postprocess(row) -> dict maps each output row (input columns and ours, error rows included) to
+what the user wants; one that raises leaves that row as it was, with `status` "error" and the
+message.
 
 One `SpinBatchPredictor` per actor keeps its engine and its bandit's statistics from batch to
 batch. Each batch is a stream of its own: its last requests decode as the slots drain, so a
@@ -29,19 +40,26 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from .config import ConfigError, JobConfig, job_to_dict, load_job, parse_job
+from .io import columns
 from .io.reader import requests_from_rows
 from .io.rows import column_problems
-from .io.writer import OUTPUT_SCHEMA
+from .io.writer import OUTPUT_SCHEMA, completion_row
+from .records import Completion, Request
 
-#: The output columns added to each row ("id" is the input's own column; "source" means a shard row).
-RESULT_FIELDS = [f for f in OUTPUT_SCHEMA if f.name not in ("id", "source")]
+Hook = Callable[[dict], dict]
+
+#: The output columns added to each row ("id" is the input's own column; "source" means a shard row;
+#: endpoint, model and created serve the OpenAI batch output, which Ray does not write).
+RESULT_FIELDS = [f for f in OUTPUT_SCHEMA if f.name not in ("id", "source", "endpoint", "model", "created")]
+RESULT_NAMES = frozenset(f.name for f in RESULT_FIELDS)
 # Placeholders for the job keys Ray makes moot, so a job given as a mapping may leave them out.
 _UNUSED = {"input": {"paths": ["<ray data>"]}, "output": {"dir": "<ray data>"}}
 
@@ -82,9 +100,11 @@ class SpinBatchPredictor:
     """A Ray Data callable class: builds the engine once, then decodes one batch of rows per call.
 
     Also usable without Ray: call it with a pyarrow Table, a pandas DataFrame or a dict of columns.
+    `preprocess` and `postprocess`: see the module doc.
     """
 
-    def __init__(self, job: Mapping, overrides: Sequence[str] = (), threads: int | None = None):
+    def __init__(self, job: Mapping, overrides: Sequence[str] = (), threads: int | None = None,
+                 preprocess: Hook | None = None, postprocess: Hook | None = None):
         import torch
 
         from .runner import build_engine, make_encoder
@@ -94,20 +114,36 @@ class SpinBatchPredictor:
         self.job = parse_job(job, overrides, source="<ray data job>")
         self.engine = build_engine(self.job)
         self.encode = make_encoder(self.engine.tokenizer, self.job)
+        self.preprocess, self.postprocess = preprocess, postprocess
         self.batches = 0
 
     def __call__(self, batch: Any) -> pa.Table:
         table = _as_table(batch)
-        if clash := _clash(table.column_names):
-            raise ValueError(clash)
-        icfg = self.job.input
         self.batches += 1
+        failed: dict[int, str] = {}
+        if self.preprocess is not None:
+            table, failed = _preprocessed(table, self.preprocess)
+        requests = self._requests(table, failed)
+        results = self._decode(requests)
+        out = _with_results(_input_columns(table, self.job), results)
+        return out if self.postprocess is None else _postprocessed(out, self.postprocess)
+
+    def _requests(self, table: pa.Table, failed: Mapping[int, str]) -> list[Request]:
+        icfg = self.job.input
         requests = requests_from_rows(table.to_pylist(), id_column=icfg.id_column,
                                       prompt_column=icfg.prompt_column, messages_column=icfg.messages_column,
-                                      source_prefix=f"batch{self.batches}")
+                                      params_column=icfg.params_column, source_prefix=f"batch{self.batches}")
+        return [replace(r, error=failed[i]) if i in failed else r for i, r in enumerate(requests)]
+
+    def _decode(self, requests: list[Request]) -> list[dict]:
+        """Each request's output row (OUTPUT_SCHEMA's columns), in the requests' order."""
         rows: dict[str, dict] = {}
+
+        def emit(done: Completion) -> None:
+            rows[done.request.source] = completion_row(done)
+
         t0 = time.perf_counter()
-        self.engine.loop.run(iter(requests), self.encode, lambda row: rows.__setitem__(row["source"], row))
+        self.engine.loop.run(iter(requests), self.encode, emit)
         seconds = time.perf_counter() - t0
         missing = [r.source for r in requests if r.source not in rows]
         if missing:  # the loop emits every request it is given; anything else is a bug worth failing on
@@ -117,28 +153,104 @@ class SpinBatchPredictor:
         errors = sum(row["status"] != "ok" for row in ordered)
         print(f"spin-batch (pid {os.getpid()}): batch {self.batches}: {len(ordered)} rows ({errors} errors), {tokens} "
               f"tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tok/s)", file=sys.stderr, flush=True)
-        for f in RESULT_FIELDS:
-            table = table.append_column(f, pa.array([row[f.name] for row in ordered], type=f.type))
-        return table
+        return ordered
+
+
+def _short(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _preprocessed(table: pa.Table, preprocess: Hook) -> tuple[pa.Table, dict[int, str]]:
+    """The rows preprocess makes, and ``{row index: error}`` of those where it raised (such a row keeps
+    its original columns)."""
+    rows, failed = [], {}
+    for i, row in enumerate(table.to_pylist()):
+        try:
+            new = preprocess(row)
+            if not isinstance(new, Mapping):
+                raise TypeError(f"preprocess must return a dict, got {type(new).__name__}")
+            rows.append(dict(new))
+        except Exception as e:  # noqa: BLE001  the user's function: its failure is this row's error
+            rows.append(row)
+            failed[i] = f"preprocess failed: {_short(e)}"
+    return _table_of(rows, "preprocess", table.schema), failed
+
+
+def _input_columns(table: pa.Table, job: JobConfig) -> pa.Table:
+    """The input columns an output row keeps (output.keep_columns, the id column always), renamed with
+    output.column_prefix where they clash with our columns; a named column the batch lacks is null."""
+    id_column = job.input.id_column
+    names = columns.selected(table.column_names, job.output.keep_columns)
+    if id_column in table.column_names and id_column not in names:
+        names.insert(0, id_column)
+    renamed = columns.output_names(names, RESULT_NAMES, job.output.column_prefix)
+    arrays = [table.column(n) if n in table.column_names else pa.nulls(table.num_rows) for n in names]
+    return pa.Table.from_arrays(arrays, names=[renamed[n] for n in names])
+
+
+def _with_results(table: pa.Table, rows: list[dict]) -> pa.Table:
+    for f in RESULT_FIELDS:
+        table = table.append_column(f, pa.array([row[f.name] for row in rows], type=f.type))
+    return table
+
+
+def _postprocessed(table: pa.Table, postprocess: Hook) -> pa.Table:
+    """postprocess applied to each output row (``drafter_pulls`` as a dict); a row where it raises stays
+    as it was, as an error row. A column that keeps its name keeps its type where its values fit it."""
+    rows = []
+    for row in table.to_pylist():
+        row["drafter_pulls"] = dict(row["drafter_pulls"] or [])
+        try:
+            new = postprocess(dict(row))
+            if not isinstance(new, Mapping):
+                raise TypeError(f"postprocess must return a dict, got {type(new).__name__}")
+            rows.append(dict(new))
+        except Exception as e:  # noqa: BLE001  the user's function: its failure is this row's error
+            rows.append({**row, "status": "error", "error": f"postprocess failed: {_short(e)}"})
+    return _table_of(rows, "postprocess", table.schema)
+
+
+def _table_of(rows: list[dict], made_by: str, before: pa.Schema | None = None) -> pa.Table:
+    """Rows as a table over the union of their keys (first seen first; null where a row lacks one), a
+    column named as in ``before`` with its type there where the values fit, else the type inferred."""
+    names = dict.fromkeys(key for row in rows for key in row)
+    arrays = {}
+    for name in names:
+        values = [row.get(name) for row in rows]
+        if before is not None and name in before.names:
+            try:
+                arrays[name] = pa.array(values, type=before.field(name).type)
+                continue
+            except (pa.ArrowException, TypeError, ValueError):
+                pass
+        try:
+            arrays[name] = pa.array(values)
+        except (pa.ArrowException, TypeError, ValueError) as e:
+            raise ValueError(f"{made_by} returned rows whose {name!r} values have no common type: {e}") from e
+    return pa.table(arrays)
 
 
 def generate(ds, job: str | os.PathLike | Mapping | JobConfig, overrides: Sequence[str] = (), *,
              concurrency: int = 1, num_gpus: float | None = None, num_cpus: float | None = None,
-             threads: int | None = None, batch_size: int | None = None, **map_batches_args):
+             threads: int | None = None, batch_size: int | None = None, preprocess: Hook | None = None,
+             postprocess: Hook | None = None, **map_batches_args):
     """`ds` with spin-batch's completions added to each row (see the module doc).
 
     concurrency: actors, one engine each. num_gpus / num_cpus: Ray resources per actor. Ray sets
     an actor's OpenMP threads to its num_cpus (1 by default); `threads` sets them directly. On CPU
     leave Ray a CPU for reading and writing: an actor that reserves every CPU starves the read
     and write tasks, and the dataset never finishes (on 2 cores: num_cpus=1, threads=2).
-    batch_size: rows per call, by default 16 times batch.slots. Other keyword arguments go to
+    batch_size: rows per call, by default 16 times batch.slots. preprocess / postprocess: row -> row
+    functions run in the actors (see the module doc). Other keyword arguments go to
     Dataset.map_batches.
     """
     plain = prepare_job(job, overrides)
-    _check_schema(ds, plain)
+    if preprocess is None:  # else the columns are preprocess's to make
+        _check_schema(ds, plain)
     resources = {k: v for k, v in (("num_gpus", num_gpus), ("num_cpus", num_cpus)) if v is not None}
+    hooks = {"preprocess": preprocess, "postprocess": postprocess}
     return ds.map_batches(
-        SpinBatchPredictor, fn_constructor_kwargs={"job": plain, "threads": threads}, batch_format="pyarrow",
+        SpinBatchPredictor, fn_constructor_kwargs={"job": plain, "threads": threads, **hooks}, batch_format="pyarrow",
         concurrency=concurrency, batch_size=batch_size or 16 * plain["batch"]["slots"], **resources,
         **map_batches_args)
 
@@ -150,19 +262,12 @@ def _check_schema(ds, plain: dict) -> None:
     if not names:
         return
     icfg = plain["input"]
+    keep = plain["output"]["keep_columns"]
     problems = column_problems(names, id_column=icfg["id_column"], prompt_column=icfg["prompt_column"],
-                               messages_column=icfg["messages_column"])
-    if clash := _clash(names):
-        problems.append(clash)
+                               messages_column=icfg["messages_column"], params_column=icfg["params_column"],
+                               keep_columns=keep if isinstance(keep, list) else ())
     if problems:
         raise ConfigError(f"dataset columns {names} do not fit the job (see input.*_column):", problems)
-
-
-def _clash(names: Sequence[str]) -> str | None:
-    """Input columns that spin-batch's output columns would overwrite, if any."""
-    clash = sorted(set(names) & {f.name for f in RESULT_FIELDS})
-    return (f"input columns {clash} clash with spin-batch's output columns; rename them first "
-            "(e.g. ds.rename_columns({...}))") if clash else None
 
 
 def _as_table(batch: Any) -> pa.Table:

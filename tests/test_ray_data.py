@@ -101,10 +101,57 @@ def test_bad_rows_become_error_rows_and_the_batch_goes_on(tiny_dir):
     assert all(r["text"] is None and r["finish_reason"] == "error" for r in got if r["status"] == "error")
 
 
-def test_clashing_columns_are_refused(tiny_dir):
+def test_a_clashing_input_column_comes_back_with_the_prefix(tiny_dir):
+    """The rule of `spin-batch run`'s path: our columns keep their names, the input's get the prefix."""
     pred = SpinBatchPredictor(prepare_job(job_mapping(tiny_dir)))
-    with pytest.raises(ValueError, match=r"\['text'\] clash"):
-        pred(pa.Table.from_pylist([{"id": "a", "prompt": "hi", "text": "already here"}]))
+    out = pred(pa.Table.from_pylist([{"id": "a", "prompt": "hi", "text": "already here", "input_text": "me too"}]))
+    assert out.column_names[:4] == ["id", "prompt", "input_input_text", "input_text"]
+    row = out.to_pylist()[0]
+    assert row["input_input_text"] == "already here" and row["input_text"] == "me too"
+    assert row["status"] == "ok" and row["text"] != "already here"
+    pred = SpinBatchPredictor(prepare_job({**job_mapping(tiny_dir), "output": {"column_prefix": "src."}}))
+    assert pred(pa.Table.from_pylist([{"id": "a", "prompt": "hi", "status": 1}])).column_names[:3] == \
+        ["id", "prompt", "src.status"]
+
+
+def test_keep_columns_none_or_a_list_keeps_the_id(tiny_dir):
+    data = pa.Table.from_pylist(rows(2))
+    none = SpinBatchPredictor(prepare_job({**job_mapping(tiny_dir), "output": {"keep_columns": "none"}}))
+    assert none(data).column_names == ["id"] + [f.name for f in RESULT_FIELDS]
+    listed = SpinBatchPredictor(prepare_job({**job_mapping(tiny_dir), "output": {"keep_columns": ["label"]}}))
+    out = listed(data)
+    assert out.column_names[:2] == ["id", "label"] and out.column("label").to_pylist() == [0, 1]
+
+
+def test_preprocess_and_postprocess_run_in_the_batch_call(tmp_path, tiny_dir):
+    data = rows(4)
+    want = cli_texts(tmp_path, tiny_dir, data)
+
+    def preprocess(row: dict) -> dict:
+        if row["label"] == 2:
+            raise KeyError("no question")
+        return {"id": row["id"], "question": row["prompt"], "prompt": row["prompt"], "sampling": {"max_tokens": 3}}
+
+    def postprocess(row: dict) -> dict:
+        if row["id"] == "r003":
+            raise RuntimeError("cannot shape this one")
+        return {"key": row["id"], "question": row["question"], "answer": row["text"], "ok": row["status"] == "ok",
+                "why": row["error"], "tokens": row["completion_tokens"]}
+
+    job = {**job_mapping(tiny_dir), "input": {"params_column": "sampling"}}
+    pred = SpinBatchPredictor(prepare_job(job), preprocess=preprocess, postprocess=postprocess)
+    table = pred(pa.Table.from_pylist(data))
+    got = table.to_pylist()
+    assert [r.get("key") for r in got] == ["r000", "r001", "r002", None]
+    for r in got[:2]:  # decoded with the row's own max_tokens: the greedy text's first 3 tokens
+        assert r["ok"] and r["why"] is None and r["tokens"] == 3 and r["question"] == data[int(r["key"][1:])]["prompt"]
+        assert want[r["key"]].startswith(r["answer"]) and len(r["answer"]) < len(want[r["key"]])
+    assert got[2]["ok"] is False and got[2]["why"] == "preprocess failed: KeyError: 'no question'"
+    assert got[2]["question"] is None and got[2]["answer"] is None
+    last = got[3]  # postprocess raised: the row as it was, an error row saying why
+    assert last["status"] == "error" and last["error"] == "postprocess failed: RuntimeError: cannot shape this one"
+    assert last["id"] == "r003" and last["text"] == want["r003"][:len(last["text"])] and last["key"] is None
+    assert table.schema.field("drafter_pulls").type == pa.map_(pa.string(), pa.int32())  # its own type kept
 
 
 def test_a_bad_job_fails_on_the_driver_before_any_model_loads(tmp_path, tiny_dir):
@@ -132,13 +179,15 @@ def test_generate_through_a_local_ray_cluster(tmp_path, tiny_dir):
         ds = ray.data.from_items(data)
         with pytest.raises(ConfigError, match="missing id column 'key'"):
             generate(ds, {**job_mapping(tiny_dir), "input": {"id_column": "key"}})
-        got = generate(ds, job_mapping(tiny_dir), concurrency=1, num_cpus=1, batch_size=4).take_all()
+        got = generate(ds, job_mapping(tiny_dir), concurrency=1, num_cpus=1, batch_size=4,
+                       preprocess=lambda row: {**row, "label": row["label"] * 10},  # the hooks reach the actor
+                       postprocess=lambda row: {**row, "chars": len(row["text"])}).take_all()
     finally:
         ray.shutdown()
     assert sorted(r["id"] for r in got) == [r["id"] for r in data]
     for r in got:
         assert r["status"] == "ok" and r["text"] == want[r["id"]], r
-        assert r["label"] == int(r["id"][1:])
+        assert r["label"] == 10 * int(r["id"][1:]) and r["chars"] == len(r["text"])
 
 
 def test_the_repository_root_on_sys_path_does_not_hide_transformers_kernels():
