@@ -107,3 +107,29 @@ def test_export_of_a_sharded_run_with_a_retried_row(tmp_path, tiny_dir):
     assert [r["id"] for r in rows] == [f"s{f}-{i:03d}" for f in range(3) for i in range(3)]
     assert [r["source"] for r in rows] == [f"{p.resolve()}#{i}" for p in files for i in range(3)]
     assert all(r["status"] == "ok" for r in rows)
+
+
+def test_a_run_keeps_the_input_columns_across_parts(tmp_path, tiny_dir):
+    """output.keep_columns on `spin-batch run`'s path: a column named like an output column comes back
+    with the prefix; a column whose type changes between parts exports as JSON text; none keeps none."""
+    rows = [{"id": f"r{i}", "prompt": p["prompt"], "text": f"source {i}", "label": i, "score": i}
+            for i, p in enumerate(prompt_rows(4))]
+    rows[3]["label"] = "four"  # the second part's label is a string
+    rows[3]["score"] = 3.5  # and its score a float
+    src = write_jsonl(tmp_path / "in" / "rows.jsonl", rows)
+    job, out = make_job(tmp_path, tiny_dir, [src], name="keep", output={"rows_per_part": 2},
+                        batch={"slots": 1}, sampling={"max_tokens": 3})
+    run_ok(job)
+    dest = tmp_path / "all.parquet"
+    assert invoke("export", out, "--to", dest).exit_code == 0
+    table = pq.read_table(dest)
+    assert table.column_names[-3:] == ["input_text", "label", "score"]
+    assert table.column("input_text").to_pylist() == [f"source {i}" for i in range(4)]
+    assert all(t is not None and not t.startswith("source") for t in table.column("text").to_pylist())
+    assert table.column("label").to_pylist() == ["0", "1", "2", '"four"']
+    assert table.column("score").to_pylist() == [0.0, 1.0, 2.0, 3.5]
+    job, out = make_job(tmp_path, tiny_dir, [src], name="none", output={"keep_columns": "none"},
+                        sampling={"max_tokens": 3})
+    run_ok(job)
+    assert invoke("export", out, "--to", dest).exit_code == 0
+    assert "label" not in pq.read_table(dest).column_names and "input_text" not in pq.read_table(dest).column_names
