@@ -121,13 +121,16 @@ def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry
 @click.option("--no-models", is_flag=True, help="Skip model checks (input and config only).")
 def validate(job_path, overrides, no_models):
     """Check a job file and its input data without loading any model weights."""
-    from .runner import validate_job
+    from .runner import model_backends, validate_job
 
     job = _load(job_path, overrides)
     problems = validate_job(job, check_models_too=not no_models)
     if problems:
         raise click.ClickException("job has problems:\n" + "\n".join(f"  {p}" for p in problems))
     click.echo(f"{job_path}: OK")
+    if not no_models:  # which code will run each model (docs/backends.md)
+        for name, backend in model_backends(job).items():
+            click.echo(f"  {name}: {backend} backend")
 
 
 @main.command()
@@ -398,18 +401,21 @@ def env(job_path, overrides):
     except loader.ExecutionError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"kernels\t{execution.describe()}")
-    models = [("target", job.target.model, job.target.dtype,
+    models = [("target", job.target.model, job.target.dtype, job.target.backend,
                cpu_plan.workloads(job.batch.slots, job.spin.num_speculative_tokens if job.drafters else 0))]
-    models += [(d.name, d.model, d.dtype or job.target.dtype, cpu_plan.workloads(job.batch.slots, 0))
+    models += [(d.name, d.model, d.dtype or job.target.dtype, d.backend, cpu_plan.workloads(job.batch.slots, 0))
                for d in job.drafters if getattr(d, "model", None)]
-    for name, ref, dtype, loop in models:
-        problems = loader.check_model_ref(ref)
+    for name, ref, dtype, backend, loop in models:
+        problems = loader.check_model_ref(ref, backend)
         if problems:
             click.echo(f"{name}\t{problems[0]}")
             continue
         model_dir = loader.resolve_model_dir(ref)
         if draft_meta(model_dir) is not None:
             click.echo(f"{name}\ta distilled draft: planned when it loads with its target (see summary.json)")
+            continue
+        if loader.resolve_backend(backend, model_dir) == loader.TRANSFORMERS:
+            click.echo(f"{name}\tthe transformers backend: transformers' layers, our attention (no CPU plan)")
             continue
         p = cpu_plan.plan(loader.read_spec(model_dir), loader.DTYPES[dtype], device, loop, execution)
         click.echo(f"{name}\tlayers {p.layers}, LM head {p.lm_head} ({dtype}): {p.why}")

@@ -467,6 +467,9 @@ def _keep_columns(value: Any) -> str | tuple[str, ...]:
     return names
 
 
+BACKENDS = ("auto", "native", "transformers")  # target.backend, a model drafter's backend
+
+
 @dataclass(frozen=True)
 class TargetConfig:
     """The model whose outputs are produced (and verified against)."""
@@ -478,6 +481,10 @@ class TargetConfig:
     # model; CUDA: Triton with CUDA graphs where Triton imports) | c (the C decoder, CPU only) | torch |
     # triton (CPU only under TRITON_INTERPRET=1). Whether they can run here is checked by validate.
     kernels: Literal["auto", "c", "torch", "triton"] = "auto"
+    # which code runs the model (docs/backends.md): auto (native where the architecture is ours: Llama,
+    # Mistral, Qwen2; else transformers) | native | transformers (transformers' modelling code, our attention)
+    backend: Literal["auto", "native", "transformers"] = "auto"
+    trust_remote_code: bool = False  # the transformers backend may run modelling code shipped in the folder
 
     @classmethod
     def _parse(cls, s: _Section) -> TargetConfig:
@@ -487,6 +494,8 @@ class TargetConfig:
             dtype=s.take("dtype", _dtype),
             device=s.take("device", device),
             kernels=s.take("kernels", _choice("auto", "c", "torch", "triton")),
+            backend=s.take("backend", _choice(*BACKENDS)),
+            trust_remote_code=s.take("trust_remote_code", _bool),
         )
         if s.ok("device", "kernels") and target.kernels == "c" and target.device.startswith("cuda"):
             s.errs.add(s.key_path("kernels"), f"c is the C decoder on CPU; target.device is {target.device}")
@@ -518,6 +527,8 @@ class ModelDrafterConfig:
     kind: Literal["model"] = "model"
     model: str
     dtype: str | None = None
+    backend: Literal["auto", "native", "transformers"] = "auto"  # as target.backend
+    trust_remote_code: bool = False
 
     @classmethod
     def _parse(cls, s: _Section, name: str) -> ModelDrafterConfig:
@@ -525,6 +536,8 @@ class ModelDrafterConfig:
             name=name,
             model=s.take("model", _path),
             dtype=s.take("dtype", _optional(_dtype)),
+            backend=s.take("backend", _choice(*BACKENDS)),
+            trust_remote_code=s.take("trust_remote_code", _bool),
         )
 
 

@@ -45,6 +45,7 @@ from .io.writer import (OutputWriter, completion_row, StatsWriter, cleanup_temp,
                         write_json_atomic)
 from .models import cpu_plan, loader
 from .models.distilled import TargetFeatures, check_pairing, draft_meta, load_draft
+from .models.hf_backend import TransformersModel
 from .models.llama import LlamaModel, window_problem
 from .stats import RunStats
 
@@ -82,17 +83,25 @@ def check_models(job: JobConfig) -> list[str]:
         loader.resolve_execution(job.target.kernels, device)
     except loader.ExecutionError as e:
         return [str(e)]
-    problems = loader.check_model_ref(job.target.model)
+    target = job.target
+    problems = loader.check_model_ref(target.model, target.backend, target.trust_remote_code,
+                                      job.batch.max_model_len)
     if problems:
         return problems
     target_dir = loader.resolve_model_dir(job.target.model)
     if draft_meta(target_dir) is not None:
         return [f"target.model: {job.target.model} is a distilled draft; it runs only as a `kind: model` drafter "
                 "next to the target it was distilled for"]
-    spec = loader.read_spec(target_dir)
-    window = window_problem(spec, job.batch.max_model_len)
-    if window:
-        problems.append(f"target.model: {window}; set batch.max_model_len to {spec.sliding_window} or less")
+    backend = loader.resolve_backend(target.backend, target_dir)
+    if backend == loader.TRANSFORMERS and target.kernels == "c":
+        problems.append("target.kernels: c is the native decoder's C path; the transformers backend runs "
+                        "transformers' own layers (use auto or torch)")
+    if backend == loader.NATIVE:
+        spec = loader.read_spec(target_dir)
+        window = window_problem(spec, job.batch.max_model_len)
+        if window:
+            problems.append(f"target.model: {window}; set batch.max_model_len to {spec.sliding_window} or less, "
+                            "or target.backend: transformers")
     try:
         target_vocab = loader.load_tokenizer(target_dir).get_vocab()
     except loader.TokenizerError as e:
@@ -100,18 +109,23 @@ def check_models(job: JobConfig) -> list[str]:
         target_vocab = None
     for d in job.drafters:
         if isinstance(d, EarlyExitDrafterConfig):
-            p = check_layers(d.layers, spec.num_layers)
+            p = check_layers(d.layers, loader.model_layers(target_dir, backend, target.trust_remote_code))
             if p:
                 problems.append(f"drafters.{d.name}: {p}")
         elif isinstance(d, ModelDrafterConfig):
-            refs = loader.check_model_ref(d.model)
+            refs = loader.check_model_ref(d.model, d.backend, d.trust_remote_code, job.batch.max_model_len)
             if refs:
                 problems.extend(f"drafters.{d.name}: {r}" for r in refs)
                 continue
             draft_dir = loader.resolve_model_dir(d.model)
-            window = window_problem(loader.read_spec(draft_dir), job.batch.max_model_len)
-            if window:
-                problems.append(f"drafters.{d.name}: {window}")
+            if loader.resolve_backend(d.backend, draft_dir) == loader.NATIVE:
+                window = window_problem(loader.read_spec(draft_dir), job.batch.max_model_len)
+                if window:
+                    problems.append(f"drafters.{d.name}: {window}")
+            if draft_meta(draft_dir) is not None and backend != loader.NATIVE:
+                problems.append(f"drafters.{d.name}: a distilled draft reads the target's embeddings and runs next "
+                                "to a native target only (target.backend: auto or native)")
+                continue
             if draft_meta(draft_dir) is None:  # a plain model: its token ids must mean the target's tokens
                 try:
                     draft_vocab = loader.load_tokenizer(draft_dir).get_vocab()
@@ -243,12 +257,15 @@ def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: tor
             draft_dir = loader.resolve_model_dir(d.model)
             meta = draft_meta(draft_dir)
             loop = cpu_plan.workloads(job.batch.slots, 0)  # a draft decodes one token a slot at a time
+            if meta is not None and not isinstance(target, LlamaModel):
+                raise ValueError(f"drafter {d.name!r}: a distilled draft runs next to a native target only")
             if meta is not None:  # distilled: reads the target's embeddings (and maybe its features)
                 dtype = d.dtype or distilled_draft_dtype(job.target.dtype, device)
                 model = load_draft(draft_dir, target, loader.DTYPES[dtype], device, embeds, loop)
             else:
                 model = loader.load_model(draft_dir, d.dtype or job.target.dtype, device, loop,
-                                          execution=target.execution)
+                                          execution=target.execution, backend=d.backend,
+                                          trust_remote_code=d.trust_remote_code)
             if model.spec.vocab_size != target.spec.vocab_size:
                 raise ValueError(f"drafter {d.name!r}: vocab size {model.spec.vocab_size} differs from the "
                                  f"target's {target.spec.vocab_size}")
@@ -297,7 +314,8 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     tokenizer = loader.load_tokenizer(target_dir)
     loop = cpu_plan.workloads(job.batch.slots, job.spin.num_speculative_tokens if job.drafters else 0)
     target = loader.load_model(target_dir, job.target.dtype, device, loop,
-                               execution=loader.resolve_execution(job.target.kernels, device))
+                               execution=loader.resolve_execution(job.target.kernels, device),
+                               backend=job.target.backend, trust_remote_code=job.target.trust_remote_code)
     cache = target.allocate_cache(job.batch.slots, job.batch.max_model_len)
     drafters = build_drafters(job, target, cache, device)
     policy = make_policy(job.spin.selector, drafters, job.spin.num_speculative_tokens, job.sampling.seed,
@@ -308,12 +326,27 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
 
 
 def backends(engine: Engine) -> dict:
-    """Which path each model runs on and why (cpu_plan.py, execution.py): the target's, and each model drafter's."""
-    out = {"target": engine.target.backend()}
+    """Which backend and path each model runs on and why (native: cpu_plan.py, execution.py; transformers:
+    hf_backend.py): the target's, and each model drafter's."""
+    out = {"target": model_backend(engine.target)}
     for name, d in engine.loop.drafters.items():
         model = getattr(d, "model", None)
-        if isinstance(model, LlamaModel) and model is not engine.target:
-            out[name] = model.backend()
+        if isinstance(model, (LlamaModel, TransformersModel)) and model is not engine.target:
+            out[name] = model_backend(model)
+    return out
+
+
+def model_backend(model: LlamaModel | TransformersModel) -> dict:
+    """A model's backend() led by the backend's name (a TransformersModel's names itself)."""
+    return {"backend": loader.NATIVE, **model.backend()}
+
+
+def model_backends(job: JobConfig) -> dict[str, str]:
+    """The backend each model of a job will run on (validate says it), for a job check_models passed."""
+    out = {"target": loader.resolve_backend(job.target.backend, loader.resolve_model_dir(job.target.model))}
+    for d in job.drafters:
+        if isinstance(d, ModelDrafterConfig):
+            out[d.name] = loader.resolve_backend(d.backend, loader.resolve_model_dir(d.model))
     return out
 
 
@@ -544,7 +577,8 @@ def start_line(job: JobConfig, engine: Engine, worker: str, done: int | None, to
     """What a log needs to tell runs apart: model, dtype, device, the target's CPU path, slots, worker."""
     target = engine.target
     plan = getattr(target, "plan", None)
-    path = f"layers={plan.layers} lm_head={plan.lm_head}" if plan is not None else "path=?"
+    path = (f"layers={plan.layers} lm_head={plan.lm_head}" if plan is not None
+            else f"backend={model_backend(target)['backend']}")
     dtype = str(getattr(target, "dtype", job.target.dtype)).removeprefix("torch.")
     return (f"spin-batch: start model={job.target.model} dtype={dtype} "
             f"device={getattr(target, 'device', job.target.device)} {path} "

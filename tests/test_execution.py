@@ -166,8 +166,8 @@ def test_the_summary_records_the_jobs_choice(no_env, tmp_path, tiny_dir):
     res = CliRunner().invoke(main, ["run", str(_job_file(tmp_path, tiny_dir, "torch")), "--no-progress"])
     assert res.exit_code == 0, res.output
     target = json.loads((tmp_path / "out" / "summary.json").read_text())["backends"]["target"]
-    assert target == {"layers": "torch", "lm_head": "torch", "why": "target.kernels: torch", "kernels": "torch",
-                      "triton": False, "cuda_graphs": False}
+    assert target == {"backend": "native", "layers": "torch", "lm_head": "torch", "why": "target.kernels: torch",
+                      "kernels": "torch", "triton": False, "cuda_graphs": False}
 
 
 def test_validate_refuses_kernels_that_cannot_run(no_env, monkeypatch, tmp_path, tiny_dir):

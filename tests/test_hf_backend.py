@@ -32,7 +32,7 @@ from spin_batch.stats import RunStats
 
 V = 96  # vocabulary of every tiny model here
 MAX_TOKENS = 10
-COMMON = dict(vocab_size=V, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+COMMON = dict(bos_token_id=None, eos_token_id=None, pad_token_id=0)
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
 
 
@@ -63,13 +63,13 @@ def families():
 EMBED_STD = {"gemma2": 0.05, "gemma3": 0.05}
 
 
-def build(out: Path, name: str, seed: int = 0, **fields) -> Path:
+def build(out: Path, name: str, seed: int = 0, vocab: int = V, **fields) -> Path:
     """A random model of family `name` saved with save_pretrained; weights N(0, 0.3) so the logits spread."""
     from transformers import AutoModelForCausalLM
 
     config_class, own = families()[name]
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config_class(**{**COMMON, **own, **fields}))
+    model = AutoModelForCausalLM.from_config(config_class(**{**COMMON, "vocab_size": vocab, **own, **fields}))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
@@ -313,6 +313,10 @@ def refusals():
         "falcon_alibi": (T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=V,
                                         alibi=True), "computes attention itself"),
         "qwen3_next": (T.Qwen3NextConfig(**SMALL, head_dim=16, vocab_size=V), "recurrent or state-space"),
+        "deepseek_v3": (T.DeepseekV3Config(**SMALL, vocab_size=V, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                           qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=2, num_experts_per_tok=1,
+                                           first_k_dense_replace=2), "K [4, 16] and V [4, 8] differ"),
+        "llama4_chunked": (T.Llama4TextConfig(**SMALL, vocab_size=V), "chunked_attention"),
         "gpt2_cross": (T.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=V, add_cross_attention=True),
                        "cross-attention"),
         "gpt2_positions": (T.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=V, n_positions=32),
@@ -378,3 +382,102 @@ def test_the_triton_attention_path_equals_the_torch_path(folders):
     assert model.kernels is not None and model.backend()["attention"] == "triton"
     torch_model = TransformersModel.load(folders["qwen3"], torch.float32, "cpu")
     assert run(model, 3, PROMPTS[:3], max_tokens=4) == run(torch_model, 3, PROMPTS[:3], max_tokens=4)
+
+
+# -- the job: target.backend, validate, run, summary.json ---------------------------------------------------
+
+
+def with_tokenizer(out: Path, tokenizer_dir: Path, name: str, **fields) -> Path:
+    """A family's tiny model over the tiny tokenizer's vocabulary, with its tokenizer files (a job needs them)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    build(out, name, vocab=len(tok), **fields)
+    tok.save_pretrained(str(out))
+    return out
+
+
+def job(tmp_path: Path, model: Path, name: str = "job", drafters=(), max_model_len: int = 64, **target) -> Path:
+    import yaml
+
+    from conftest import write_jsonl
+
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "the quick brown fox"},
+                                                 {"id": "b", "prompt": "list three colours"}])
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": name, "input": {"paths": [str(prompts)]}, "output": {"dir": str(tmp_path / f"out-{name}")},
+        "target": {"model": str(model), "dtype": "float32", "device": "cpu", **target}, "drafters": list(drafters),
+        "batch": {"slots": 2, "max_model_len": max_model_len}, "sampling": {"temperature": 0.0, "max_tokens": 5},
+    }))
+    return path
+
+
+def invoke(*args):
+    from click.testing import CliRunner
+
+    from spin_batch.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def refused(result, *needles: str) -> None:
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), (result.output, result.exc_info)
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in result.output, result.output
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory, tiny_dir) -> Path:
+    return with_tokenizer(tmp_path_factory.mktemp("job-gpt2") / "gpt2", tiny_dir, "gpt2")
+
+
+def test_target_backend_and_trust_remote_code_parse():
+    from spin_batch.config import ConfigError, parse_job
+
+    base = {"name": "j", "input": {"paths": ["x.jsonl"]}, "output": {"dir": "out"}}
+    job_ = parse_job({**base, "target": {"model": "m", "backend": "transformers", "trust_remote_code": True},
+                      "drafters": [{"name": "d", "kind": "model", "model": "m2", "backend": "native"}]})
+    assert job_.target.backend == "transformers" and job_.target.trust_remote_code
+    assert job_.drafters[0].backend == "native" and not job_.drafters[0].trust_remote_code
+    assert parse_job(base).target.backend == "auto" and not parse_job(base).target.trust_remote_code
+    with pytest.raises(ConfigError, match="target.backend"):
+        parse_job({**base, "target": {"model": "m", "backend": "vllm"}})
+    with pytest.raises(ConfigError, match="target.trust_remote_code"):
+        parse_job({**base, "target": {"model": "m", "trust_remote_code": "yes"}})
+
+
+def test_auto_runs_a_gpt2_folder_on_transformers_and_summary_records_it(tmp_path, gpt2_dir, tiny_dir):
+    import json
+
+    path = job(tmp_path, gpt2_dir, drafters=[{"name": "ngram", "kind": "ngram"}, {"name": "exit", "kind": "early_exit",
+                                                                                   "layers": 1}])
+    result = invoke("validate", path)
+    assert result.exit_code == 0, result.output
+    assert "target: transformers backend" in result.output
+    result = invoke("run", path, "--no-progress")
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "out-job" / "summary.json").read_text())
+    assert summary["rows_ok"] == 2
+    target = summary["backends"]["target"]
+    assert target["backend"] == "transformers" and target["model_class"] == "GPT2LMHeadModel"
+    # the Llama folder next to it still runs natively
+    native = job(tmp_path, tiny_dir, name="native")
+    assert "target: native backend" in invoke("validate", native).output
+
+
+def test_validate_refuses_with_the_reason_before_loading_weights(tmp_path, gpt2_dir, tiny_dir):
+    refused(invoke("validate", job(tmp_path, gpt2_dir, name="n", backend="native")),
+            "model_type 'gpt2' is not supported")
+    refused(invoke("validate", job(tmp_path, gpt2_dir, name="p", max_model_len=256)),
+            "the transformers backend cannot run it", "max_model_len 256 exceeds the model's learned position table")
+    refused(invoke("validate", job(tmp_path, gpt2_dir, name="c", kernels="c")), "target.kernels: c")
+    refused(invoke("validate", job(tmp_path, gpt2_dir, name="e", drafters=[{"name": "x", "kind": "early_exit",
+                                                                            "layers": 5}])),
+            "early_exit layers must be in 1..2")
+    # a Llama draft next to the GPT-2 target runs natively; one forced onto transformers is fine too
+    ok = job(tmp_path, gpt2_dir, name="d", drafters=[
+        {"name": "small", "kind": "model", "model": str(tiny_dir), "backend": "transformers"}])
+    result = invoke("validate", ok)
+    assert result.exit_code == 0 and "small: transformers backend" in result.output, result.output

@@ -39,8 +39,8 @@ REFUSED_KWARGS = {
 class PackedPass:
     """One forward's attention state: its segments and the cache every layer writes and reads.
 
-    cache None is the probe (TransformersModel.probe): nothing is written, each layer's K/V shape is
-    recorded, and the output is zeros (the probe reads shapes, not values).
+    cache None is the probe (hf_arch.probe): nothing is written, each layer's K/V shape is recorded, and
+    the output is zeros (the probe reads shapes, not values).
     """
 
     def __init__(self, seg: Segments, cache: KVCache | None, kernels=None):
@@ -87,7 +87,7 @@ class PackedPass:
         if softcap:
             self.features.add("softcap")
         if self.cache is None:
-            return torch.zeros_like(q)
+            return q.new_zeros(*q.shape[:2], v.shape[-1])  # [N, H, Dv]
         cache = self.cache
         if tuple(cache.k.shape[2:3]) + tuple(cache.k.shape[4:]) != tuple(k.shape[1:]) or k.shape != v.shape:
             raise UnsupportedModelError(

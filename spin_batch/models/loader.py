@@ -22,7 +22,9 @@ import torch
 from ..cachedir import cache_root, file_lock
 from . import cpu_decoder, cpu_plan
 from .execution import CHOICES, ENV_CPU, ENV_GRAPHS, ENV_TRITON, Execution
-from .llama import CheckpointError, LlamaModel, ModelSpec, expected_tensors, tensor_problem
+from . import hf_arch
+from .hf_backend import TransformersModel
+from .llama import CheckpointError, LlamaModel, ModelSpec, UnsupportedModelError, expected_tensors, tensor_problem
 
 BUILTIN_PREFIX = "builtin:"
 BUILTINS = {
@@ -124,8 +126,53 @@ def builtin_name(spec: str) -> str | None:
     return name
 
 
-def check_model_ref(spec: str) -> list[str]:
-    """Cheap checks for `validate` (no weights read, no conversion). Returns problems."""
+NATIVE, TRANSFORMERS = "native", "transformers"  # the backends a model runs on (target.backend)
+
+
+def resolve_backend(choice: str, model_dir: Path) -> str:
+    """native or transformers for a model folder: `choice` (target.backend, or a model drafter's) unless it is
+    auto; auto is native where the architecture is ours (llama.ModelSpec takes its config.json: Llama,
+    Mistral, Qwen2 with the options the decoder implements) or the folder is a distilled draft, else
+    transformers (hf_backend.py)."""
+    from .distilled import draft_meta
+
+    if choice != "auto":
+        return choice
+    if draft_meta(model_dir) is not None:
+        return NATIVE
+    try:
+        read_spec(model_dir)
+    except (ValueError, KeyError):  # UnsupportedModelError is a ValueError
+        return TRANSFORMERS
+    return NATIVE
+
+
+def model_layers(model_dir: Path, backend: str, trust_remote_code: bool = False) -> int:
+    """The decoder layers of a folder's model on its backend (validate's early-exit check), from config.json."""
+    if backend == TRANSFORMERS:
+        return hf_arch.num_layers_of(hf_arch.load_config(model_dir, trust_remote_code))
+    return read_spec(model_dir).num_layers
+
+
+def transformers_problems(ref: str, model_dir: Path, trust_remote_code: bool, max_len: int | None) -> list[str]:
+    """validate's checks of a folder the transformers backend will run (safetensors headers, the architecture:
+    hf_arch.check_folder), no weights read."""
+    from .distilled import draft_meta
+
+    if draft_meta(model_dir) is not None:
+        return [f"{ref}: a distilled draft runs on the native backend only (backend: native or auto)"]
+    try:
+        checkpoint_names(model_dir)
+    except (CheckpointError, ModelNotFoundError) as e:
+        return [str(e)]
+    problem = hf_arch.check_folder(model_dir, trust_remote_code, max_len or 0)
+    return [f"{ref}: the transformers backend cannot run it: {problem}"] if problem else []
+
+
+def check_model_ref(spec: str, backend: str = NATIVE, trust_remote_code: bool = False,
+                    max_len: int | None = None) -> list[str]:
+    """Cheap checks for `validate` (no weights read, no conversion). Returns problems. backend: the choice
+    (auto | native | transformers) for a model folder; max_len: the job's context (learned position tables)."""
     name = builtin_name(spec) if spec.startswith(BUILTIN_PREFIX) else None
     if name is not None:
         if (cache_root() / BUILTINS[name][1] / "config.json").exists():
@@ -138,6 +185,8 @@ def check_model_ref(spec: str) -> list[str]:
         return [f"{spec}: not a model directory (no config.json)"]
     if not list(p.glob("*.safetensors")):
         return [f"{spec}: no *.safetensors weights in the model directory"]
+    if resolve_backend(backend, p) == TRANSFORMERS:
+        return transformers_problems(spec, p, trust_remote_code, max_len)
     try:
         model_spec = ModelSpec.from_hf_config(json.loads((p / "config.json").read_text()))
     except (ValueError, KeyError) as e:
@@ -272,11 +321,16 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def load_model(model_dir: Path, dtype: str = "float32", device: str | torch.device = "cpu",
                loop: tuple[tuple[int, int], ...] | None = None, plan: cpu_plan.CpuPlan | None = None,
-               execution: Execution | None = None) -> LlamaModel:
+               execution: Execution | None = None, backend: str = NATIVE,
+               trust_remote_code: bool = False) -> LlamaModel | TransformersModel:
     """The model, on the job's kernels (`execution`, from resolve_execution; None: resolved here for
     target.kernels auto) and, where they leave it to measurement, the CPU path measured fastest here for
     the loop's forwards (cpu_plan.workloads()); on `plan` where given. Raises CheckpointError (naming the
-    folder) where the weights are unreadable or not those config.json's architecture reads."""
+    folder) where the weights are unreadable or not those config.json's architecture reads.
+    backend (auto | native | transformers, resolve_backend): the transformers backend loads the folder with
+    transformers (hf_backend.py), trusting code in it only with trust_remote_code."""
+    if resolve_backend(backend, model_dir) == TRANSFORMERS:
+        return load_transformers(model_dir, dtype, device, execution, trust_remote_code)
     spec = read_spec(model_dir)
     sd = load_state_dict(model_dir)
     dev = torch.device(device) if isinstance(device, str) else device
@@ -286,6 +340,20 @@ def load_model(model_dir: Path, dtype: str = "float32", device: str | torch.devi
         return LlamaModel.from_state_dict(spec, sd, DTYPES[dtype], dev, plan, execution)
     except CheckpointError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
+
+
+def load_transformers(model_dir: Path, dtype: str, device: str | torch.device, execution: Execution | None,
+                      trust_remote_code: bool) -> TransformersModel:
+    """load_model on the transformers backend; its errors name the folder."""
+    dev = torch.device(device) if isinstance(device, str) else device
+    checkpoint_names(model_dir)  # readable safetensors headers, as for the native backend
+    try:
+        return TransformersModel.load(Path(model_dir), DTYPES[dtype], dev, execution or resolve_execution("auto", dev),
+                                      trust_remote_code)
+    except CheckpointError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{model_dir}: the transformers backend cannot run it: {e}") from None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken", "spiece.model", "vocab.txt")
