@@ -6,7 +6,6 @@ import pytest
 
 from spin_batch.drafters.base import Drafter, DraftRequest, Proposal
 from spin_batch.drafters.cascade import CascadeDrafter
-from spin_batch.sampling import SamplingParams
 
 
 class Table(Drafter):

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from spin_batch.models import cpu_decoder, cpu_plan
+from spin_batch.models import cpu_decoder, cpu_plan, execution
 from spin_batch.models.execution import Execution
 from spin_batch.models.loader import load_model, read_spec
 from spin_batch.models.segments import Segments
@@ -45,7 +45,7 @@ def test_auto_measures_once_then_reads_the_choice_back(auto, tiny_dir):
     loop = cpu_plan.workloads(3, 4)
     measured = Execution(cpu="auto")
     first = cpu_plan.plan(spec, torch.float32, torch.device("cpu"), loop, measured)
-    assert first.why.startswith("measured now") and set(first.ms["layers"]) == set(cpu_plan.LAYERS)
+    assert first.why.startswith("measured now") and set(first.ms["layers"]) == set(execution.LAYERS)
     assert first.layers == cpu_plan._pick(first.ms["layers"]) and first.lm_head == cpu_plan._pick(first.ms["lm_head"])
     stored = json.loads((auto / "cpu_decoder" / "plans.json").read_text())
     (key, record), = stored.items()
@@ -77,7 +77,7 @@ def test_a_slow_c_build_is_never_the_default(auto, monkeypatch, tiny_dir, layers
     assert model.c_attention == (want[0] != "torch")
     assert all((lin.panel is not None) == (want[0] == "c") for lin in (model.layers[0].qkv, model.layers[0].down))
     assert (model.lm_head.panel is not None) == (want[1] == "c")
-    reference = load_model(tiny_dir, plan=cpu_plan.forced("c"))
+    reference = load_model(tiny_dir, plan=execution.forced("c"))
     seg = Segments([0, 1], [0, 3, 5], [0, 0])
     tokens = torch.tensor([5, 9, 11, 7, 3])
     got = model.forward(tokens, seg, model.allocate_cache(2, 16))
@@ -89,17 +89,17 @@ def test_forced_and_unmeasurable_plans_say_why(tiny_dir):
     spec = read_spec(tiny_dir)
     cpu = torch.device("cpu")
     off = Execution(cpu="torch", overrides=("SPIN_BATCH_CPU_GEMM=off",))
-    assert cpu_plan.plan(spec, torch.float32, cpu, None, off) == cpu_plan.CpuPlan("torch", "torch", "SPIN_BATCH_CPU_GEMM=off")
+    assert cpu_plan.plan(spec, torch.float32, cpu, None, off) == execution.CpuPlan("torch", "torch", "SPIN_BATCH_CPU_GEMM=off")
     job_torch = Execution(kernels="torch", cpu="torch")
     assert cpu_plan.plan(spec, torch.float32, cpu, None, job_torch).why == "target.kernels: torch"
     job_c = Execution(kernels="c", cpu="c")
-    assert cpu_plan.plan(spec, torch.float32, cpu, None, job_c) == cpu_plan.CpuPlan("c", "c", "target.kernels: c")
+    assert cpu_plan.plan(spec, torch.float32, cpu, None, job_c) == execution.CpuPlan("c", "c", "target.kernels: c")
     half = cpu_plan.plan(spec, torch.float16, cpu, None, job_c)
     assert half.layers == "torch" and "float16" in half.why
     assert load_model(tiny_dir, "float16").c_decoder is None
-    assert cpu_plan.plan(spec, torch.float32, torch.device("meta"), None, job_c) == cpu_plan.TORCH  # not on CPU
+    assert cpu_plan.plan(spec, torch.float32, torch.device("meta"), None, job_c) == execution.TORCH  # not on CPU
     with pytest.raises(ValueError, match="CPU path 'fast'"):
-        cpu_plan.forced("fast")
+        execution.forced("fast")
 
 
 def test_the_plan_is_in_the_summary(tmp_path, tiny_dir):

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 from spin_batch.cli import main
 from spin_batch.config import ConfigError, job_to_dict, parse_job
-from spin_batch.models import cpu_plan, loader
-from spin_batch.models.execution import CHOICES, ENV_CPU, ENV_GRAPHS, ENV_TRITON, Execution
+from spin_batch.models import loader
+from spin_batch.models.execution import CHOICES, ENV_CPU, ENV_GRAPHS, ENV_TRITON, CpuPlan, Execution
 from spin_batch.models.llama import LlamaModel
 from spin_batch.models.loader import ExecutionError, load_model, resolve_execution
 from spin_batch.models.segments import Segments
@@ -128,7 +128,7 @@ def test_the_model_runs_what_the_job_chose(no_env, tiny_dir):
     assert torch_model.cpu_lib is None and torch_model.c_decoder is None and torch_model.kernels is None
     assert all(lin.panel is None for lin in (torch_model.layers[0].qkv, torch_model.lm_head))
     c_model = load_model(tiny_dir, execution=resolve_execution("c", CPU))
-    assert c_model.c_decoder is not None and c_model.plan == cpu_plan.CpuPlan("c", "c", "target.kernels: c")
+    assert c_model.c_decoder is not None and c_model.plan == CpuPlan("c", "c", "target.kernels: c")
     triton_model = load_model(tiny_dir, execution=resolve_execution("triton", CPU))
     assert triton_model.kernels is not None and triton_model.kernels.__name__ == "spin_kernels"
     assert triton_model.c_decoder is None and triton_model.graphs is None

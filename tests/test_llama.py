@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spin_batch.models import cpu_plan
+from spin_batch.models import execution
 from spin_batch.models.loader import load_model, read_spec
 from spin_batch.models.llama import ModelSpec, UnsupportedModelError
 from spin_batch.models.segments import Segments
@@ -212,7 +212,7 @@ def test_architecture_logits_match_transformers(arch_dir):
     ids = torch.randint(0, 300, (48,), generator=torch.Generator().manual_seed(3)).tolist()
     want = hf_logits(ref, ids)
     for path in ("c", "torch"):
-        ours = load_model(arch_dir, plan=cpu_plan.forced(path))
+        ours = load_model(arch_dir, plan=execution.forced(path))
         got = ours.forward(torch.tensor(ids), Segments.build([(0, len(ids), 0)]), ours.allocate_cache(1, 64))
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m: f"{path} path: {m}")
 
@@ -232,7 +232,7 @@ def test_architecture_greedy_text_matches_transformers_generate(arch_dir):
         want_ids.append(out[0, ids.shape[1]:].tolist())
     want_text = [tok.decode(ids, skip_special_tokens=True) for ids in want_ids]
     for path in ("c", "torch"):
-        ours = load_model(arch_dir, plan=cpu_plan.forced(path))
+        ours = load_model(arch_dir, plan=execution.forced(path))
         got_ids, got_text = _loop_greedy(ours, tok, ARCH_PROMPTS, slots=3, max_tokens=ARCH_TOKENS)
         assert got_ids == want_ids, path
         assert got_text == want_text, path
@@ -241,7 +241,7 @@ def test_architecture_greedy_text_matches_transformers_generate(arch_dir):
 def test_o_proj_bias_runs_off_the_c_decoder(tmp_path, tiny_dir):
     """The C decoder has no o bias: a Llama with attention_bias runs per layer (and is right there, above)."""
     path = build_tiny_model(tmp_path / "m", layers=1, tokenizer_dir=tiny_dir, config={"attention_bias": True})
-    ours = load_model(path, plan=cpu_plan.forced("c"))
+    ours = load_model(path, plan=execution.forced("c"))
     assert ours.c_decoder is None and ours.layers[0].o.bias is not None
     assert ours.layers[0].o.panel is not None  # still the C linears
 

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from spin_batch.cli import main
-from spin_batch.models import cpu_plan, loader
+from spin_batch.models import execution, loader
 from spin_batch.models.llama import CheckpointError
 from spin_batch.models.segments import Segments
 
@@ -85,7 +85,7 @@ def hf_logits(path: Path, ids: list[int]) -> torch.Tensor:
 
 
 def our_logits(path: Path, ids: list[int]) -> torch.Tensor:
-    model = loader.load_model(path, plan=cpu_plan.forced("torch"))
+    model = loader.load_model(path, plan=execution.forced("torch"))
     return model.forward(torch.tensor(ids), Segments.build([(0, len(ids), 0)]), model.allocate_cache(1, 64))
 
 

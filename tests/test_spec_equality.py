@@ -21,7 +21,7 @@ from spin_batch.selection.fixed import FixedDrafter, NoSpeculation
 from spin_batch.selection.policy import Choice, Policy
 from spin_batch.sampling import SamplingParams
 from spin_batch.records import Completion, Request
-from spin_batch.models import cpu_plan
+from spin_batch.models import execution
 from spin_batch.models.loader import load_model, load_tokenizer
 
 PROMPTS = [
@@ -79,7 +79,7 @@ def target(request, tiny_dir):
     """The target on each CPU path the planner may choose (cpu_plan.py): our C decoder (each row computed
     alone), and oneDNN with torch's attention (whose results may depend on the batch: greedy equality
     must hold there too)."""
-    model = load_model(tiny_dir, plan=cpu_plan.forced(request.param))
+    model = load_model(tiny_dir, plan=execution.forced(request.param))
     assert (model.c_decoder is not None) == (request.param == "c")
     return model, load_tokenizer(tiny_dir)
 
@@ -279,7 +279,6 @@ def test_ngram_lookup():
 
 def test_ngram_gate_learns_its_acceptance_per_match_length():
     d = NgramDrafter("ngram", 1, 3)
-    sp = SamplingParams()
     text = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # a 3-gram match: drafts 4, 5, 6
     assert d.propose([DraftRequest(0, text, 3, None)]).tokens == [[4, 5, 6]]
     d.on_commit(0, text + [4, 5, 6, 9])  # all three accepted, then a bonus token
@@ -440,7 +439,7 @@ def test_pipeline_keeps_a_step_that_drafts_nothing_whole(target, reference):
 
 @pytest.fixture(scope="module")
 def bf16_target(tiny_dir):
-    model = load_model(tiny_dir, "bfloat16", plan=cpu_plan.forced("c"))
+    model = load_model(tiny_dir, "bfloat16", plan=execution.forced("c"))
     assert model.c_decoder is not None
     return model, load_tokenizer(tiny_dir)
 

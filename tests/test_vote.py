@@ -6,7 +6,6 @@ import pytest
 
 from spin_batch.drafters.base import Drafter, DraftRequest, Proposal
 from spin_batch.drafters.vote import VoteDrafter, agrees, vote_path
-from spin_batch.sampling import SamplingParams
 
 
 def test_majority_path_wins_over_heaviest_single_member():

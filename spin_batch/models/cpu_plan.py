@@ -31,56 +31,18 @@ import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
 from ..cachedir import cache_root, file_lock, write_atomic
 from . import cpu_decoder
-from .execution import Execution
+from .execution import LAYERS, TORCH, CpuPlan, Execution
+from .llama import LayerWeights, Linear, LlamaModel
 from .segments import Segments
 
-LAYERS = ("c", "torch+c_attention", "torch")
 CONTEXT = 256  # cached tokens per slot in the timed forwards
 REPS = 5
 C_MARGIN = 0.03
-
-
-def forced(layers: str, lm_head: str | None = None) -> "CpuPlan":
-    """A plan not measured (tests, and `--set`-style overrides): layers one of LAYERS."""
-    if layers not in LAYERS:
-        raise ValueError(f"CPU path {layers!r}: use one of {', '.join(LAYERS)}")
-    return CpuPlan(layers, lm_head or ("c" if layers == "c" else "torch"), "forced")
-
-
-@dataclass(frozen=True)
-class CpuPlan:
-    layers: str  # one of LAYERS
-    lm_head: str  # "c" or "torch"
-    why: str
-    ms: dict | None = None  # measured milliseconds per candidate, when measured
-
-    @property
-    def c_linears(self) -> bool:
-        return self.layers == "c"
-
-    @property
-    def c_attention(self) -> bool:
-        return self.layers in ("c", "torch+c_attention")
-
-    def describe(self) -> dict:
-        """For summary.json and `spin-batch env`."""
-        out = {"layers": self.layers, "lm_head": self.lm_head, "why": self.why}
-        if self.ms:
-            out["measured_ms"] = self.ms
-        lib = cpu_decoder.library() if self.layers != "torch" or self.lm_head != "torch" else None
-        if lib is not None:
-            out["c_build"] = cpu_decoder.build_info(lib)
-        return out
-
-
-DEFAULT_C = CpuPlan("c", "c", "the C kernels, not measured (a model built outside the loader)")
-TORCH = CpuPlan("torch", "torch", "not on CPU")
 
 
 def workloads(slots: int, speculative_tokens: int) -> tuple[tuple[int, int], ...]:
@@ -185,7 +147,6 @@ def _best_ms(fn, reps: int = REPS) -> float:
 
 def _time_layers(spec, dtype: torch.dtype, loop, candidates) -> dict[str, float]:
     """Milliseconds of one decoder layer per candidate, summed over the loop's forwards."""
-    from .llama import LayerWeights, Linear, LlamaModel
 
     C, I, H, KV, D = spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
     one = dataclasses.replace(spec, num_layers=1, vocab_size=64)
@@ -215,7 +176,6 @@ def _time_layers(spec, dtype: torch.dtype, loop, candidates) -> dict[str, float]
 
 def _time_head(spec, dtype: torch.dtype, loop) -> dict[str, float]:
     """Milliseconds of the LM head per candidate, summed over the loop's forwards (every row's logits)."""
-    from .llama import Linear
 
     w = _random(spec.vocab_size, spec.hidden_size, dtype=dtype)
     xs = [_random(s * n, spec.hidden_size, dtype=dtype) for s, n in loop]

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import cpu_decoder
+
 CHOICES = ("auto", "c", "torch", "triton")  # target.kernels
 CPU_PATHS = ("auto", "c", "torch")  # auto: measured per model (cpu_plan.py)
 
@@ -52,3 +54,45 @@ class Execution:
         if self.overrides:
             out["overridden_by"] = list(self.overrides)
         return out
+
+
+# -- the CPU path of one model (measured by cpu_plan.py, or forced) ------------------------------
+
+LAYERS = ("c", "torch+c_attention", "torch")
+
+
+def forced(layers: str, lm_head: str | None = None) -> CpuPlan:
+    """A plan not measured (tests, and `--set`-style overrides): layers one of LAYERS."""
+    if layers not in LAYERS:
+        raise ValueError(f"CPU path {layers!r}: use one of {', '.join(LAYERS)}")
+    return CpuPlan(layers, lm_head or ("c" if layers == "c" else "torch"), "forced")
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    layers: str  # one of LAYERS
+    lm_head: str  # "c" or "torch"
+    why: str
+    ms: dict | None = None  # measured milliseconds per candidate, when measured
+
+    @property
+    def c_linears(self) -> bool:
+        return self.layers == "c"
+
+    @property
+    def c_attention(self) -> bool:
+        return self.layers in ("c", "torch+c_attention")
+
+    def describe(self) -> dict:
+        """For summary.json and `spin-batch env`."""
+        out = {"layers": self.layers, "lm_head": self.lm_head, "why": self.why}
+        if self.ms:
+            out["measured_ms"] = self.ms
+        lib = cpu_decoder.library() if self.layers != "torch" or self.lm_head != "torch" else None
+        if lib is not None:
+            out["c_build"] = cpu_decoder.build_info(lib)
+        return out
+
+
+DEFAULT_C = CpuPlan("c", "c", "the C kernels, not measured (a model built outside the loader)")
+TORCH = CpuPlan("torch", "torch", "not on CPU")

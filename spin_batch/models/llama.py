@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu_decoder, cpu_plan, cuda_graphs
+from . import cpu_decoder, cuda_graphs
 from .cache import KVCache
-from .cpu_plan import CpuPlan
-from .execution import Execution
+from .execution import DEFAULT_C, TORCH, CpuPlan, Execution
 from .segments import Segments
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -477,7 +476,7 @@ class LlamaModel:
         self.spec = spec
         self.execution = execution or Execution()
         on_cpu = embed.device.type == "cpu"
-        self.plan = plan or (cpu_plan.DEFAULT_C if on_cpu and self.execution.cpu != "torch" else cpu_plan.TORCH)
+        self.plan = plan or (DEFAULT_C if on_cpu and self.execution.cpu != "torch" else TORCH)
         self.embed = embed
         c_gemm = False if self.execution.cpu == "torch" else None  # else the C GEMM wherever it applies
         self.embed_proj = None if embed_proj is None else Linear(embed_proj, panel=c_gemm)
@@ -490,7 +489,7 @@ class LlamaModel:
             lw.attn_norm, lw.mlp_norm = lw.attn_norm.float(), lw.mlp_norm.float()
         self.layers = layers
         self.norm = norm.float()
-        self.lm_head = Linear(lm_head, panel=None if self.plan is cpu_plan.DEFAULT_C else self.plan.lm_head == "c")
+        self.lm_head = Linear(lm_head, panel=None if self.plan is DEFAULT_C else self.plan.lm_head == "c")
         self.dtype = embed.dtype
         self.device = embed.device
         self.kernels = triton_kernels(self.execution)  # Triton kernels, or None for the torch path

@@ -21,7 +21,7 @@ import torch
 
 from ..cachedir import cache_root, file_lock
 from . import cpu_decoder, cpu_plan
-from .execution import CHOICES, ENV_CPU, ENV_GRAPHS, ENV_TRITON, Execution
+from .execution import CHOICES, ENV_CPU, ENV_GRAPHS, ENV_TRITON, CpuPlan, Execution
 from . import hf_arch
 from .hf_backend import TransformersModel
 from .llama import CheckpointError, LlamaModel, ModelSpec, UnsupportedModelError, expected_tensors, tensor_problem
@@ -320,7 +320,7 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(model_dir: Path, dtype: str = "float32", device: str | torch.device = "cpu",
-               loop: tuple[tuple[int, int], ...] | None = None, plan: cpu_plan.CpuPlan | None = None,
+               loop: tuple[tuple[int, int], ...] | None = None, plan: CpuPlan | None = None,
                execution: Execution | None = None, backend: str = NATIVE,
                trust_remote_code: bool = False) -> LlamaModel | TransformersModel:
     """The model, on the job's kernels (`execution`, from resolve_execution; None: resolved here for
