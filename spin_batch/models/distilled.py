@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_plan
+from .checkpoint import load_state_dict, read_spec
 from .llama import CheckpointError, Linear, LlamaModel, ModelSpec, layer_tensors, tensor_problem
 from .segments import Segments
 
@@ -133,9 +135,6 @@ def load_draft(draft_dir: Path, target: LlamaModel, dtype: torch.dtype, device: 
     [K, C] lm_head, so one matmul scores the kept ids. `embeds` caches the target's embedding
     cast to `dtype`, so drafts loaded together share one copy.
     """
-    from . import cpu_plan
-    from .loader import load_state_dict, read_spec
-
     meta = draft_meta(draft_dir)
     if meta is None:
         raise ValueError(f"{draft_dir} is not a distilled draft (no {DRAFT_KEY} in config.json)")

