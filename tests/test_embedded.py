@@ -48,7 +48,7 @@ def engines():
 
 def texts(tmp_path, name: str, selector: str, slots: int, engines: dict) -> dict[str, str]:
     from spin_batch.selection.factory import make_policy
-    from spin_batch.io.writer import read_outputs
+    from spin_batch.io.outputs import read_outputs
 
     j = job(tmp_path, name, selector, slots)
     if slots not in engines:
@@ -91,10 +91,22 @@ def test_demo_job_validates_with_the_shipped_drafts(monkeypatch):
     assert validate_job(job) == []
 
 
+def test_every_shipped_job_validates(monkeypatch):
+    """Each job in jobs/ (the README's quick start runs them) passes validate: config, input, models."""
+    from spin_batch.config import load_job
+    from spin_batch.runner import validate_job
+
+    monkeypatch.chdir(REPO)
+    jobs = sorted((REPO / "jobs").glob("*.yaml"))
+    assert {p.name for p in jobs} >= {"demo.yaml", "openai.yaml"}
+    for path in jobs:
+        assert validate_job(load_job(str(path))) == [], path.name
+
+
 def test_shipped_drafts_stay_lossless(tmp_path):
     """Greedy output with each shipped draft, and with the bandit over all of them, equals autoregressive."""
     from spin_batch.selection.factory import make_policy
-    from spin_batch.io.writer import read_outputs
+    from spin_batch.io.outputs import read_outputs
     from conftest import write_jsonl
 
     drafts = shipped_drafts()
