@@ -1,0 +1,273 @@
+"""The job's sections: input, output, target, spin, batch and sampling.
+
+Each is a frozen dataclass whose ``_parse`` reads its mapping through a
+:class:`~spin_batch.config.parsing._Section`, checking each key beside the field it fills.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .parsing import (
+    BACKENDS,
+    _bool,
+    _choice,
+    _describe,
+    _dtype,
+    _int,
+    _Invalid,
+    _num,
+    _optional,
+    _path,
+    _paths,
+    _pattern,
+    _Section,
+    _switch,
+    _text,
+    _texts,
+)
+
+
+# --------------------------------------------------------------------------- input / output / target
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    """Where prompts come from and how rows are interpreted."""
+
+    paths: tuple[str, ...]
+    # auto: by suffix, and a JSONL file whose first row has custom_id and url/body is an OpenAI batch file
+    format: Literal["auto", "jsonl", "parquet", "openai"] = "auto"
+    id_column: str = "id"  # the column options are not used for OpenAI batch lines (the body is the request)
+    prompt_column: str = "prompt"
+    messages_column: str = "messages"
+    # a column holding each row's own sampling settings (an object: max_tokens, temperature, top_p,
+    # top_k, stop, seed; null or a field left out: the job's value)
+    params_column: str | None = None
+    chat_template: Literal["auto", True, False] = "auto"
+    system_prompt: str | None = None
+    # a JSONL line longer than this becomes an error row without being read whole (memory stays bounded)
+    max_line_bytes: int = 64 * 1024 * 1024
+
+    @classmethod
+    def _parse(cls, s: _Section) -> InputConfig:
+        return cls(
+            paths=s.take("paths", _paths),
+            format=s.take("format", _choice("auto", "jsonl", "parquet", "openai")),
+            id_column=s.take("id_column", _text()),
+            prompt_column=s.take("prompt_column", _text()),
+            messages_column=s.take("messages_column", _text()),
+            params_column=s.take("params_column", _optional(_text())),
+            chat_template=s.take("chat_template", _choice("auto", True, False)),
+            system_prompt=s.take("system_prompt", _optional(_text(nonempty=False))),
+            max_line_bytes=s.take("max_line_bytes", _int(lo=1)),
+        )
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where results go, in which form, with which input columns, and how often they are flushed.
+
+    The Parquet parts under ``dir/outputs`` are always written (they are the resume log);
+    ``format`` openai adds ``dir/results.jsonl`` (OpenAI batch response lines) at the end of a
+    run, both adds it and ``dir/results.parquet``. ``keep_columns`` picks the input columns that
+    come back beside the output columns; an input column named like an output column comes back
+    as ``column_prefix`` + its name.
+    """
+
+    dir: str
+    rows_per_part: int = 256
+    flush_interval_s: float = 60.0
+    stats_interval_s: float = 10.0
+    format: Literal["parquet", "openai", "both"] = "parquet"
+    keep_columns: Literal["all", "none"] | tuple[str, ...] = "all"
+    column_prefix: str = "input_"
+
+    @classmethod
+    def _parse(cls, s: _Section) -> OutputConfig:
+        positive = _num(lambda x: x > 0, "> 0")
+        return cls(
+            dir=s.take("dir", _path),
+            rows_per_part=s.take("rows_per_part", _int(lo=1)),
+            flush_interval_s=s.take("flush_interval_s", positive),
+            stats_interval_s=s.take("stats_interval_s", positive),
+            format=s.take("format", _choice("parquet", "openai", "both")),
+            keep_columns=s.take("keep_columns", _keep_columns),
+            column_prefix=s.take("column_prefix", _text()),
+        )
+
+
+def _keep_columns(value: Any) -> str | tuple[str, ...]:
+    """all, none, or a list of column names (each non-empty, none twice)."""
+    if isinstance(value, str):
+        return _choice("all", "none")(value)
+    if not isinstance(value, (list, tuple)):
+        raise _Invalid(f"expected all, none or a list of column names, got {_describe(value)}")
+    names = _texts(nonempty=False)(value)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise _Invalid(f"names a column more than once: {', '.join(twice)}")
+    return names
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """The model whose outputs are produced (and verified against)."""
+
+    model: str = "builtin:smollm2-135m"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "auto"
+    # the kernels every model of the job runs on (spin_batch/models/execution.py): auto (CPU: measured per
+    # model; CUDA: Triton with CUDA graphs where Triton imports) | c (the C decoder, CPU only) | torch |
+    # triton (CPU only under TRITON_INTERPRET=1). Whether they can run here is checked by validate.
+    kernels: Literal["auto", "c", "torch", "triton"] = "auto"
+    # which code runs the model (docs/backends.md): auto (native where the architecture is ours: Llama,
+    # Mistral, Qwen2; else transformers) | native | transformers (transformers' modelling code, our attention)
+    backend: Literal["auto", "native", "transformers"] = "auto"
+    trust_remote_code: bool = False  # the transformers backend may run modelling code shipped in the folder
+
+    @classmethod
+    def _parse(cls, s: _Section) -> TargetConfig:
+        device = _pattern(r"auto|cpu|cuda(:[0-9]+)?", "auto, cpu, cuda or cuda:<index>")
+        target = cls(
+            model=s.take("model", _path),
+            dtype=s.take("dtype", _dtype),
+            device=s.take("device", device),
+            kernels=s.take("kernels", _choice("auto", "c", "torch", "triton")),
+            backend=s.take("backend", _choice(*BACKENDS)),
+            trust_remote_code=s.take("trust_remote_code", _bool),
+        )
+        if s.ok("device", "kernels") and target.kernels == "c" and target.device.startswith("cuda"):
+            s.errs.add(s.key_path("kernels"), f"c is the C decoder on CPU; target.device is {target.device}")
+        return target
+
+
+# --------------------------------------------------------------------------- spin / batch / sampling
+
+#: Selector grammar: selector kind -> what its ``:<argument>`` must be
+#: (``None`` = takes no argument, ``"drafter"`` = a configured drafter name).
+#: ``auto`` is not listed: it is resolved to one of these at parse time.
+#: Add new selectors (e.g. ``"ucb": None``) here.
+SELECTOR_GRAMMAR: dict[str, str | None] = {
+    "none": None,
+    "fixed": "drafter",
+    "ucb": None,
+    "thompson": None,
+    "round_robin": None,
+}
+
+
+def _selector_forms() -> str:
+    """Human-readable list of accepted selector spellings."""
+    forms = ["auto"]
+    for kind, arg in SELECTOR_GRAMMAR.items():
+        forms.append(kind if arg is None else f"{kind}:<{arg}>")
+    return ", ".join(forms)
+
+
+def _resolve_selector(value: str, names: Sequence[str]) -> str:
+    """Validate ``value`` against :data:`SELECTOR_GRAMMAR` and resolve ``auto``."""
+    if value == "auto":
+        return "ucb" if names else "none"
+    kind, sep, arg = value.partition(":")
+    if kind not in SELECTOR_GRAMMAR:
+        raise _Invalid(f"invalid selector {value!r}; expected one of: {_selector_forms()}")
+    arg_type = SELECTOR_GRAMMAR[kind]
+    if arg_type is None:
+        if sep:
+            raise _Invalid(f"selector {kind!r} takes no argument, got {value!r}")
+        return value
+    if not arg:
+        raise _Invalid(f"selector {kind!r} needs an argument: {kind}:<{arg_type}>")
+    if arg not in names:
+        configured = ", ".join(repr(n) for n in names) or "(none)"
+        raise _Invalid(f"unknown drafter {arg!r} in {value!r}; configured drafters: {configured}")
+    return value
+
+
+def _top_k(value: Any) -> int:
+    """``0`` or ``-1`` (disabled, normalised to 0) or a positive integer."""
+    k = _int()(value)
+    if k < -1:
+        raise _Invalid(f"must be -1 or 0 (disabled) or an integer >= 1, got {k}")
+    return max(k, 0)
+
+
+@dataclass(frozen=True)
+class SpinConfig:
+    """Speculative decoding: which drafter to use and how far to speculate."""
+
+    selector: str = "auto"
+    num_speculative_tokens: int = 4
+    pipeline: Literal["auto", "on", "off"] = "auto"  # auto: on for CUDA, off on CPU
+    # model drafters stop a chain where their own confidence no longer pays for a verified token
+    confidence_gate: bool = True
+    # the bandits speculate at a step only while speculating steps measure more goodput than plain ones
+    backoff: bool = True
+
+    @classmethod
+    def _parse(cls, s: _Section) -> SpinConfig:
+        # The selector is resolved against the drafters in _parse_root.
+        return cls(
+            selector=s.take("selector", _text()),
+            num_speculative_tokens=s.take("num_speculative_tokens", _int(lo=1, hi=32)),
+            pipeline=s.take("pipeline", _switch),
+            confidence_gate=s.take("confidence_gate", _bool),
+            backoff=s.take("backoff", _bool),
+        )
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Continuous-batching capacity and per-step token budget."""
+
+    slots: int = 8
+    max_model_len: int = 1024
+    max_num_batched_tokens: int = 512
+
+    @classmethod
+    def _parse(cls, s: _Section) -> BatchConfig:
+        slots = s.take("slots", _int(lo=1))
+        budget = s.take("max_num_batched_tokens", _int(lo=1))
+        if s.ok("slots", "max_num_batched_tokens") and budget < slots:
+            s.errs.add(
+                s.key_path("max_num_batched_tokens"),
+                f"must be >= batch.slots ({slots}), got {budget}",
+            )
+        return cls(
+            slots=slots,
+            max_model_len=s.take("max_model_len", _int(lo=16)),
+            max_num_batched_tokens=budget,
+        )
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Per-request sampling parameters (shared by all rows of a job)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is greedy (temperature 0)."""
+        return self.temperature == 0
+
+    @classmethod
+    def _parse(cls, s: _Section) -> SamplingConfig:
+        return cls(
+            temperature=s.take("temperature", _num(lambda x: x >= 0, ">= 0")),
+            top_p=s.take("top_p", _num(lambda x: 0 < x <= 1, "in (0, 1]")),
+            top_k=s.take("top_k", _top_k),
+            seed=s.take("seed", _int()),
+            max_tokens=s.take("max_tokens", _int(lo=1)),
+            stop=s.take("stop", _texts(nonempty=False)),
+            ignore_eos=s.take("ignore_eos", _bool),
+        )
