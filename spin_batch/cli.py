@@ -83,10 +83,10 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_
 
 def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job):
     from .io.shards import InputError
-    from .io.writer import OutputError
+    from .io.schema import OutputError
     from .models.cpu_decoder import CpuDecoderUnavailable
     from .models.loader import ModelNotFoundError
-    from .models.llama import UnsupportedModelError
+    from .models.spec import UnsupportedModelError
     from .runner import RunLocked, StopFlag, check_models, run_job
 
     job = _load(job_path, overrides)

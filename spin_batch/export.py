@@ -1,6 +1,6 @@
 """`spin-batch export OUTPUT_DIR --to FILE`: every worker's output parts as one file, in input order.
 
-The rows are those :func:`spin_batch.io.writer.read_output_table` gives (each source's latest row: a
+The rows are those :func:`spin_batch.io.outputs.read_output_table` gives (each source's latest row: a
 retried row replaces the error row it redid; the input columns the rows carry beside spin-batch's),
 ordered by input position. A row's ``source`` is ``"<shard path>#<row index>"``; the job reads its
 shards in sorted path order (``list_shards``), so rows are ordered by shard path, then by row index as
@@ -22,7 +22,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .io.openai_batch import response_lines
-from .io.writer import OUTPUTS_DIR, _write_atomic, read_output_table
+from .io.outputs import read_output_table
+from .io.writer import OUTPUTS_DIR, write_atomic
 
 EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 FORMATS = ("auto", "parquet", "jsonl", "openai")  # auto: by the destination's extension
@@ -100,10 +101,10 @@ def _write(table: pa.Table, dest: Path, fmt: str, model: str) -> None:
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         if fmt == "parquet":
-            _write_atomic(dest, lambda handle: pq.write_table(table, handle))
+            write_atomic(dest, lambda handle: pq.write_table(table, handle))
             return
         data = _lines_bytes(response_lines(table, model) if fmt == "openai" else _jsonl_lines(table))
-        _write_atomic(dest, lambda handle: handle.write(data))
+        write_atomic(dest, lambda handle: handle.write(data))
     except OSError as e:
         raise ExportError(f"cannot write {dest}: {e.strerror or e}") from None
 

@@ -51,7 +51,7 @@ from .config import ConfigError, JobConfig, job_to_dict, load_job, parse_job
 from .io import columns
 from .io.reader import requests_from_rows
 from .io.rows import column_problems
-from .io.writer import OUTPUT_SCHEMA, completion_row
+from .io.schema import OUTPUT_SCHEMA, completion_row
 from .records import Completion, Request
 
 Hook = Callable[[dict], dict]

@@ -8,7 +8,7 @@ from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .io.writer import read_outputs, read_stats
+from .io.outputs import read_outputs, read_stats
 
 
 def load(out_dir: Path) -> dict:

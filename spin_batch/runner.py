@@ -38,15 +38,17 @@ from .sampling import SamplingParams
 from .export import write_results
 from .fingerprint import check_fingerprint
 from .io.checks import check_columns, check_input
+from .io.outputs import cleanup_temp, drop_superseded, read_done
 from .io.reader import iter_requests
+from .io.schema import completion_row
 from .io.shards import (InputError, assign, count_rows, file_format, list_shards, shard_defaults_from_env,
                         worker_sources)
-from .io.writer import (OutputWriter, completion_row, StatsWriter, cleanup_temp, drop_superseded, make_run_id, read_done,
-                        write_json_atomic)
+from .io.writer import OutputWriter, StatsWriter, make_run_id, write_json_atomic
 from .models import cpu_plan, loader
 from .models.distilled import TargetFeatures, check_pairing, draft_meta, load_draft
 from .models.hf_backend import TransformersModel
-from .models.llama import LlamaModel, window_problem
+from .models.llama import LlamaModel
+from .models.spec import window_problem
 from .stats import RunStats
 
 

@@ -478,7 +478,8 @@ def test_rerun_of_finished_job_does_nothing(tmp_path, tiny_dir):
 def test_resume_does_not_turn_original_into_duplicate(tmp_path, tiny_dir):
     """A duplicate-id error row written before the first row with that id must not, on resume,
     make the first row a duplicate too (its id is only 'seen' through rows that were ok)."""
-    from spin_batch.io.writer import OutputWriter, error_row
+    from spin_batch.io.schema import error_row
+    from spin_batch.io.writer import OutputWriter
 
     rows = [{"id": "a", "prompt": "the quick brown fox"}, {"id": "a", "prompt": "again"},
             {"id": "b", "prompt": "list three colours"}]

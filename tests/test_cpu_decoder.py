@@ -212,7 +212,7 @@ def _attention_case(dtype, seed=0, slots=4, KV=3, H=9, D=64, L=300):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_writes_the_cache_and_matches_the_torch_reference(lib, dtype):
-    from spin_batch.models.llama import attention_ref
+    from spin_batch.models.attention import attention_ref
     from spin_batch.models.segments import Segments
 
     (ck, cv), make = _attention_case(dtype)

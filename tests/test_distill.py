@@ -274,7 +274,7 @@ def _two_jobs(tmp_path, tiny_dir, draft_dir, selector: str):
 @pytest.mark.parametrize("selector", ["fixed:trained", "ucb"])
 def test_trained_draft_in_a_job_equals_autoregressive(tmp_path, tiny_distilled, tiny_distilled_plain, tiny_dir,
                                                       selector, draft):
-    from spin_batch.io.writer import read_outputs
+    from spin_batch.io.outputs import read_outputs
 
     settings, _ = tiny_distilled if draft == "features" else tiny_distilled_plain
     summaries = _two_jobs(tmp_path, tiny_dir, settings.out / ("d2x64" if draft == "features" else "d1x64"),

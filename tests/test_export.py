@@ -8,7 +8,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from spin_batch.io.writer import OutputWriter, error_row
+from spin_batch.io.schema import error_row
+from spin_batch.io.writer import OutputWriter
 
 from conftest import write_jsonl
 from test_cli_e2e import _describe, _isolate_process_state, invoke, make_job, prompt_rows, run_ok  # noqa: F401

@@ -22,8 +22,8 @@ from spin_batch.engine.loop import BatchLoop, LoopSettings
 from spin_batch.models import hf_arch, hf_attention
 from spin_batch.models.execution import Execution
 from spin_batch.models.hf_backend import TransformersModel
-from spin_batch.models.llama import CheckpointError, UnsupportedModelError
 from spin_batch.models.segments import Segments
+from spin_batch.models.spec import CheckpointError, UnsupportedModelError
 from spin_batch.records import Completion, Request
 from spin_batch.sampling import SamplingParams
 from spin_batch.selection.fixed import FixedDrafter, NoSpeculation

@@ -31,8 +31,8 @@ from spin_kernels import (  # noqa: E402
     varlen_attention,
     varlen_attention_ref,
 )
+from spin_batch.models.attention import attention_ref  # noqa: E402
 from spin_batch.models.cache import KVCache  # noqa: E402
-from spin_batch.models.llama import attention_ref  # noqa: E402
 from spin_batch.models.segments import Segments  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")

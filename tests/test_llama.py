@@ -7,8 +7,8 @@ import torch
 
 from spin_batch.models import execution
 from spin_batch.models.loader import load_model, read_spec
-from spin_batch.models.llama import ModelSpec, UnsupportedModelError
 from spin_batch.models.segments import Segments
+from spin_batch.models.spec import ModelSpec, UnsupportedModelError
 
 from conftest import build_tiny_model
 
@@ -129,7 +129,7 @@ def test_segments_padding_accounting():
 def test_packed_attention_matches_reference_on_any_layout(seed):
     """Grouped short segments (padded per group over a span of slots) and long chunks, against the
     per-segment reference: mixed draft lengths, slots out of order, gaps between them."""
-    from spin_batch.models.llama import AttentionPlan, attention, attention_ref
+    from spin_batch.models.attention import AttentionPlan, attention, attention_ref
 
     g = torch.Generator().manual_seed(seed)
     H, KV, D, slots, max_len = 6, 2, 8, 9, 64
@@ -148,7 +148,7 @@ def test_packed_attention_matches_reference_on_any_layout(seed):
 
 def test_short_segments_group_by_cost():
     """One padded group when lengths are close; a separate group for one long draft among single tokens."""
-    from spin_batch.models.llama import AttentionPlan
+    from spin_batch.models.attention import AttentionPlan
 
     alternating = [(s, 1 + s % 2, 10) for s in range(16)]  # lengths 1, 2, 1, 2, ...: one group of 32 rows
     assert len(AttentionPlan(Segments.build(alternating), 3, torch.float32, torch.device("cpu")).groups) == 1

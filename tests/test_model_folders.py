@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from spin_batch.cli import main
 from spin_batch.models import execution, loader
-from spin_batch.models.llama import CheckpointError
 from spin_batch.models.segments import Segments
+from spin_batch.models.spec import CheckpointError
 
 from conftest import build_tiny_model, write_jsonl
 

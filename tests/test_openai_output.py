@@ -10,7 +10,8 @@ import pytest
 
 from spin_batch.config import ConfigError, parse_job
 from spin_batch.export import RESULTS_JSONL, RESULTS_PARQUET, write_results
-from spin_batch.io.writer import OutputWriter, completion_row
+from spin_batch.io.schema import completion_row
+from spin_batch.io.writer import OutputWriter
 from spin_batch.records import Completion, Request
 
 from test_cli_e2e import _describe, _isolate_process_state, invoke  # noqa: F401

@@ -146,7 +146,9 @@ def test_retry_errors_redoes_error_rows_and_keeps_one_row_per_source(tmp_path, t
 
     # a retry killed after writing its rows but before dropping the rows they replace: readers
     # take each source's latest row, and the next run drops the older one
-    from spin_batch.io.writer import OutputWriter, error_row, read_outputs
+    from spin_batch.io.outputs import read_outputs
+    from spin_batch.io.schema import error_row
+    from spin_batch.io.writer import OutputWriter
 
     late = after["long0"]
     with OutputWriter(out, worker="w0000") as w:  # a newer part: an error row for a source that was ok

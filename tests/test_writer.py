@@ -1,4 +1,4 @@
-"""Tests for spin_batch.io.writer."""
+"""Tests for spin_batch.io.writer, spin_batch.io.schema and spin_batch.io.outputs."""
 
 from __future__ import annotations
 
@@ -11,21 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from spin_batch.io import columns, writer
-from spin_batch.io.writer import (
-    OUTPUT_SCHEMA,
-    OutputError,
-    OutputWriter,
-    StatsWriter,
-    cleanup_temp,
-    completion_row,
-    error_row,
-    read_done,
-    read_output_table,
-    read_outputs,
-    read_stats,
-    write_json_atomic,
-)
+from spin_batch.io import columns, outputs, schema, writer
+from spin_batch.io.outputs import cleanup_temp, read_done, read_output_table, read_outputs, read_stats
+from spin_batch.io.schema import OUTPUT_SCHEMA, OutputError, completion_row, error_row
+from spin_batch.io.writer import OutputWriter, StatsWriter, write_json_atomic
 from spin_batch.records import Completion, Request
 
 
@@ -252,13 +241,13 @@ def test_latest_row_of_a_source_counts_and_older_ones_are_dropped(tmp_path: Path
     assert read_done(tmp_path, retry_errors=True)[0] == {"/in/a.jsonl#0", "/in/a.jsonl#1"}
     assert read_done(tmp_path)[0] == {"/in/a.jsonl#0", "/in/a.jsonl#1", "/in/a.jsonl#2"}
 
-    assert writer.drop_superseded(tmp_path) == 2
+    assert outputs.drop_superseded(tmp_path) == 2
     names = [p.name for p in part_files(tmp_path)]  # the second part held only replaced rows: gone
     assert names == ["part-w0000-20250102T000000000000_bbbbbb-00000.parquet",
                      "part-w0001-20250101T000000000000_aaaaaa-00000.parquet"]
     on_disk = pl.concat([pl.read_parquet(p) for p in part_files(tmp_path)]).sort("id")
     assert on_disk["id"].to_list() == ["r0", "r1", "r2"] and on_disk["status"].to_list() == ["ok", "ok", "error"]
-    assert writer.drop_superseded(tmp_path) == 0
+    assert outputs.drop_superseded(tmp_path) == 0
 
 
 def test_error_row_schema(tmp_path: Path) -> None:
@@ -374,7 +363,7 @@ def test_a_part_without_the_newer_columns_reads_them_as_null(tmp_path: Path) -> 
     with OutputWriter(tmp_path, run_id="20250101T000000000000_aaaaaa") as out:
         out.add(ok_row(0))
     old = tmp_path / "outputs" / "part-w0000-20240101T000000000000_old-00000.parquet"  # the earlier run
-    row = writer.normalize_row(ok_row(1))
+    row = schema.normalize_row(ok_row(1))
     pq.write_table(pa.Table.from_pylist([{k: row[k] for k in old_schema.names}], schema=old_schema), old)
     table = read_output_table(tmp_path)
     assert table.schema.equals(OUTPUT_SCHEMA)
@@ -465,5 +454,9 @@ def test_write_json_atomic_failure_keeps_old_file(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
 
 
-def test_writer_module_exports() -> None:
-    assert {"OutputWriter", "StatsWriter", "read_done", "error_row"} <= set(writer.__all__)
+def test_io_module_exports() -> None:
+    assert {"OutputWriter", "StatsWriter"} <= set(writer.__all__)
+    assert {"read_done", "drop_superseded"} <= set(outputs.__all__)
+    assert {"OUTPUT_SCHEMA", "error_row"} <= set(schema.__all__)
+    for module in (writer, outputs, schema):
+        assert all(hasattr(module, name) for name in module.__all__), module.__name__

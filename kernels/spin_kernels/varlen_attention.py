@@ -215,7 +215,7 @@ def varlen_attention_ref(
     max_seg_len: int,  # unused (kept for the same signature)
 ) -> torch.Tensor:  # [N, H, D]
     """Torch reference: the runtime's own attention_ref on the same segment table. Syncs to the host."""
-    from spin_batch.models.llama import attention_ref
+    from spin_batch.models.attention import attention_ref
     from spin_batch.models.segments import Segments
 
     seg = Segments(seg_slots.tolist(), seg_starts.tolist(), seg_cache_lens.tolist(), q.device)

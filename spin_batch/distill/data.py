@@ -19,7 +19,7 @@ import torch
 from ..config import parse_job
 from ..io.reader import iter_requests
 from ..io.shards import list_shards
-from ..io.writer import read_outputs
+from ..io.outputs import read_outputs
 from ..models.distilled import normalize
 from ..models.llama import LlamaModel
 from ..models.segments import Segments

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..models.distilled import DRAFT_KEY
-from ..models.llama import ModelSpec, rope_inv_freq
+from ..models.llama import rope_inv_freq
+from ..models.spec import ModelSpec
 
 HEAD_DIM = 64
 

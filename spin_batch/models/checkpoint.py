@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .llama import CheckpointError, ModelSpec
+from .spec import CheckpointError, ModelSpec
 
 
 class ModelNotFoundError(FileNotFoundError):

@@ -35,8 +35,9 @@ import torch
 
 from . import cpu_plan
 from .checkpoint import load_state_dict, read_spec
-from .llama import CheckpointError, Linear, LlamaModel, ModelSpec, layer_tensors, tensor_problem
+from .llama import Linear, LlamaModel
 from .segments import Segments
+from .spec import CheckpointError, ModelSpec, layer_tensors, tensor_problem
 
 DRAFT_KEY = "spin_batch_draft"
 EMBED_KEY = "model.embed_tokens.weight"
@@ -53,7 +54,7 @@ def draft_meta(model_dir: Path) -> dict | None:
 
 
 def draft_tensors(spec: ModelSpec) -> set[str]:
-    """The tensors load_draft reads (the rule for a distilled draft's checkpoint; see llama.expected_tensors)."""
+    """The tensors load_draft reads (the rule for a distilled draft's checkpoint; see spec.expected_tensors)."""
     return layer_tensors(spec) | set(DRAFT_TENSORS)
 
 

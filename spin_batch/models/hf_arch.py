@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from .hf_attention import ATTN_IMPLEMENTATION, STATE_KWARG, PackedPass, register
-from .llama import UnsupportedModelError
 from .segments import Segments
+from .spec import UnsupportedModelError
 
 # Model types whose layers keep a recurrent or state-space state instead of (or beside) a KV cache.
 RECURRENT_TYPES = frozenset({

@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
+from .attention import AttentionPlan, attention
 from .cache import KVCache
-from .llama import AttentionPlan, UnsupportedModelError, attention
 from .segments import Segments
+from .spec import UnsupportedModelError
 
 ATTN_IMPLEMENTATION = "spin_batch_packed"  # the name registered in transformers' AttentionInterface
 STATE_KWARG = "spin_batch_pass"  # the model.forward kwarg that carries the PackedPass to every layer

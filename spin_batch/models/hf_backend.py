@@ -26,8 +26,9 @@ from .execution import Execution
 from .hf_arch import (ProbeResult, config_problem, context_problem, first_line, load_config, model_class_problem,
                       num_layers_of, position_limit, probe, probe_result)
 from .hf_attention import ATTN_IMPLEMENTATION, STATE_KWARG, PackedPass, register
-from .llama import CheckpointError, UnsupportedModelError, triton_kernels
+from .llama import triton_kernels
 from .segments import Segments
+from .spec import CheckpointError, UnsupportedModelError
 
 BACKEND = "transformers"
 

@@ -26,7 +26,8 @@ from . import hf_arch
 from .hf_backend import TransformersModel
 from .checkpoint import ModelNotFoundError, checkpoint_names, load_state_dict, read_spec
 from .distilled import draft_meta, draft_tensors
-from .llama import CheckpointError, LlamaModel, ModelSpec, UnsupportedModelError, expected_tensors, tensor_problem
+from .llama import LlamaModel
+from .spec import CheckpointError, ModelSpec, UnsupportedModelError, expected_tensors, tensor_problem
 
 BUILTIN_PREFIX = "builtin:"
 BUILTINS = {
@@ -129,7 +130,7 @@ NATIVE, TRANSFORMERS = "native", "transformers"  # the backends a model runs on 
 
 def resolve_backend(choice: str, model_dir: Path) -> str:
     """native or transformers for a model folder: `choice` (target.backend, or a model drafter's) unless it is
-    auto; auto is native where the architecture is ours (llama.ModelSpec takes its config.json: Llama,
+    auto; auto is native where the architecture is ours (spec.ModelSpec takes its config.json: Llama,
     Mistral, Qwen2 with the options the decoder implements) or the folder is a distilled draft, else
     transformers (hf_backend.py)."""
 
@@ -197,7 +198,7 @@ def check_model_ref(spec: str, backend: str = NATIVE, trust_remote_code: bool = 
 
 def checkpoint_rule(model_dir: Path, spec: ModelSpec, names) -> set[str]:
     """The tensors a model folder's checkpoint must hold: a distilled draft's (draft.draft_tensors, read by
-    load_draft) or a model's (llama.expected_tensors, read by LlamaModel.from_state_dict)."""
+    load_draft) or a model's (spec.expected_tensors, read by LlamaModel.from_state_dict)."""
 
     return draft_tensors(spec) if draft_meta(model_dir) is not None else expected_tensors(spec, names)
 
