@@ -7,6 +7,10 @@ per id, token for token.
 Methods (extensible through METHODS):
 - hf_generate: transformers' batched generate, left padding, static batches of `slots`.
 - autoregressive: our loop with no drafts.
+- autoregressive:native / autoregressive:transformers: the same on the target loaded by that backend
+  (target.backend; see docs/backends.md), beside the job's own: the backends side by side in one run.
+  Its outputs are compared with the job's autoregressive ones, and reported, not required to match
+  (another backend's kernels round differently).
 - fixed:<name>: our loop with one drafter.
 - spin: our loop with the SPIN bandit (selector ucb), pipeline as the job resolves it;
   spin-nopipe / spin-pipe force the pipeline off / on; thompson and round_robin likewise;
@@ -26,183 +30,20 @@ Methods (extensible through METHODS):
 
 from __future__ import annotations
 
-import resource
 import statistics
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .bench_policies import assigned_policy
+from .bench_methods import BenchInput, HFGenerate, LlamaCppMethod, MethodRun, oracle, run_loop
 from .config import JobConfig
-from .engine.loop import BatchLoop
 from .io.reader import iter_requests
 from .io.shards import list_shards
-from .records import Completion, Request
+from .records import Request
 from .runner import Engine, backends, build_engine, make_encoder
-from .selection.factory import make_policy
-from .stats import RunStats
-
-
-@dataclass
-class MethodRun:
-    method: str
-    slots: int
-    repeat: int
-    wall_s: float
-    tokens: dict[str, list[int]]  # generated ids per request id (EOS included when it ended the text)
-    share_s: dict[str, float] = field(default_factory=dict)  # per request id
-    summary: dict = field(default_factory=dict)
-    peak_rss_mb: float = 0.0
-
-    @property
-    def generated(self) -> int:
-        return sum(len(t) for t in self.tokens.values())
-
-    @property
-    def tok_s(self) -> float:
-        return self.generated / self.wall_s if self.wall_s > 0 else 0.0
-
-
-@dataclass
-class BenchInput:
-    requests: list[Request]
-    encode: Callable[[Request], list[int]]
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-# -- methods ------------------------------------------------------------------------------
-
-
-def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots: int, repeat: int,
-             label: str, pipeline: bool, gate: bool = True, assign: dict[str, str | None] | None = None,
-             backoff: bool = True) -> MethodRun:
-    """One timed run of our loop: a fresh BatchLoop over the engine's target, drafters and cache, with its
-    own policy and stats; each request's generated ids and share of step time come from its Completion."""
-    drafters = engine.loop.drafters
-    policy = assigned_policy(drafters, gamma, assign, gate) if assign is not None else \
-        make_policy(selector, drafters, gamma, confidence_gate=gate, backoff=backoff)
-    loop = BatchLoop(engine.target, engine.tokenizer, replace(engine.loop.cfg, pipeline=pipeline), policy, drafters,
-                     cache=engine.loop.cache, stats=RunStats())
-    tokens: dict[str, list[int]] = {}
-    shares: dict[str, float] = {}
-
-    def record(c: Completion) -> None:
-        if c.status == "ok":  # a bad row has no tokens to compare
-            tokens[c.request.id] = list(c.token_ids)
-            shares[c.request.id] = c.share_s
-
-    graphs = getattr(engine.target, "graphs", None)
-    before = graphs.stats() if graphs is not None else None
-    t0 = time.perf_counter()
-    loop.run(iter(data.requests), data.encode, record)
-    wall = time.perf_counter() - t0
-    summary = loop.stats.summary()
-    if graphs is not None:  # the target's CUDA graphs during this run: shapes captured, replays, eager short forwards
-        summary["cuda_graphs"] = {k: v - before[k] for k, v in graphs.stats().items()}
-    return MethodRun(label, slots, repeat, wall, tokens, shares, summary, peak_rss_mb())
-
-
-class HFGenerate:
-    """transformers' generate with left padding, in static batches of `slots` prompts."""
-
-    def __init__(self, engine: Engine):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=engine.target.dtype).eval()
-        self.tok = engine.tokenizer
-        self.eos = sorted(engine.loop.cfg.eos_token_ids)
-        self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos[0]
-
-    def run(self, data: BenchInput, slots: int, max_tokens: int, repeat: int) -> MethodRun:
-        torch = self.torch
-        tokens: dict[str, list[int]] = {}
-        reqs = data.requests
-        t0 = time.perf_counter()
-        for i in range(0, len(reqs), slots):
-            batch = reqs[i : i + slots]
-            ids = [data.encode(r) for r in batch]
-            width = max(len(x) for x in ids)
-            inp = torch.tensor([[self.pad] * (width - len(x)) + x for x in ids])
-            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-            with torch.inference_mode():
-                out = self.model.generate(input_ids=inp, attention_mask=mask, max_new_tokens=max_tokens,
-                                          do_sample=False, eos_token_id=self.eos, pad_token_id=self.pad)
-            for r, row in zip(batch, out[:, width:].tolist()):
-                tokens[r.id] = _until_eos(row, set(self.eos))
-        wall = time.perf_counter() - t0
-        return MethodRun("hf_generate", slots, repeat, wall, tokens, peak_rss_mb=peak_rss_mb())
-
-
-class LlamaCppMethod:
-    """A llamacpp:<format> method: llama.cpp sized for this run's slots, on the target's GGUF in that format.
-
-    The GGUF is re-encoded (once, cached) and loaded on first use, outside the timed runs.
-    """
-
-    def __init__(self, job: JobConfig, engine: Engine, method: str):
-        self.job, self.method, self.model_dir = job, method, engine.model_dir
-        self.eos = set(engine.loop.cfg.eos_token_ids)
-        self.engine = None
-
-    def run(self, data: BenchInput, slots: int, repeat: int) -> MethodRun:
-        import torch
-
-        from . import llamacpp
-
-        job = self.job
-        if self.engine is None:
-            path = llamacpp.reencoded(llamacpp.source_gguf(job.target.model, self.model_dir), self.method.split(":")[1])
-            self.engine = llamacpp.LlamaCpp(path, slots, job.batch.max_model_len, job.batch.max_num_batched_tokens,
-                                            threads=torch.get_num_threads())
-        prompts = [data.encode(r) for r in data.requests]
-        t0 = time.perf_counter()
-        out = self.engine.generate(prompts, job.sampling.max_tokens, self.eos)
-        wall = time.perf_counter() - t0
-        return MethodRun(self.method, slots, repeat, wall, {r.id: o for r, o in zip(data.requests, out)},
-                         peak_rss_mb=peak_rss_mb())
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-
-
-def _until_eos(row: list[int], eos: set[int]) -> list[int]:
-    for i, t in enumerate(row):
-        if t in eos:
-            return row[: i + 1]
-    return row
-
-
-def oracle(runs: list[MethodRun], slots: int, repeat: int) -> MethodRun | None:
-    """Per request, the cheapest of the autoregressive and fixed-drafter runs (the oracle-bound run;
-    its summary's `oracle_assign` maps each id to its drafter, None for no drafting)."""
-    pool = [r for r in runs if r.method == "autoregressive" or r.method.startswith("fixed:")]
-    if len(pool) < 2:
-        return None
-    ids = pool[0].tokens.keys()
-    # scale each run's shares to sum to its wall time, so time spent between steps is charged too
-    cost = {r.method: {i: s * r.wall_s / max(sum(r.share_s.values()), 1e-12) for i, s in r.share_s.items()}
-            for r in pool}
-    best = {i: min(pool, key=lambda r: cost[r.method].get(i, float("inf"))) for i in ids}
-    wall = sum(cost[best[i].method][i] for i in ids)
-    tokens = {i: best[i].tokens[i] for i in ids}
-    chosen: dict[str, int] = {}
-    for r in best.values():
-        chosen[r.method] = chosen.get(r.method, 0) + 1
-    assign = {i: (r.method.split(":", 1)[1] if r.method.startswith("fixed:") else None) for i, r in best.items()}
-    return MethodRun("oracle-bound", slots, repeat, wall, tokens,
-                     summary={"oracle_choices": chosen, "oracle_assign": assign},
-                     peak_rss_mb=max(r.peak_rss_mb for r in pool))
 
 
 # -- the bench ----------------------------------------------------------------------------
@@ -221,11 +62,20 @@ def is_llamacpp(method: str) -> bool:
     return method.startswith("llamacpp:")
 
 
+BACKEND_METHODS = {f"autoregressive:{b}": b for b in ("native", "transformers")}
+
+
 def is_other_engine(method: str) -> bool:
-    """Another implementation run for reference (llama.cpp, transformers' generate): other kernels round
-    differently, and generate does not apply sampling.stop, so their outputs are compared but not required
-    to match (see agreement)."""
-    return is_llamacpp(method) or method == "hf_generate"
+    """Another implementation run for reference (llama.cpp, transformers' generate, another backend): other
+    kernels round differently, and generate does not apply sampling.stop, so their outputs are compared but
+    not required to match (see agreement)."""
+    return is_llamacpp(method) or method == "hf_generate" or method in BACKEND_METHODS
+
+
+def backend_engine(job: JobConfig, backend: str) -> Engine:
+    """The job's target loaded by `backend`, with no drafters: what autoregressive:<backend> runs on."""
+    return build_engine(replace(job, target=replace(job.target, backend=backend), drafters=(),
+                                spin=replace(job.spin, selector="none")))
 
 
 def check_methods(methods: list[str], job: JobConfig) -> None:
@@ -234,7 +84,7 @@ def check_methods(methods: list[str], job: JobConfig) -> None:
 
     names = {d.name for d in job.drafters}
     for m in methods:
-        if m in ("hf_generate", "oracle") or m in SELECTOR_METHODS:
+        if m in ("hf_generate", "oracle") or m in SELECTOR_METHODS or m in BACKEND_METHODS:
             continue
         if m.startswith("fixed:") and m.split(":", 1)[1] in names:
             continue
@@ -243,7 +93,7 @@ def check_methods(methods: list[str], job: JobConfig) -> None:
                 raise ValueError(f"bench method {m!r} needs llama.cpp: pip install llama-cpp-python "
                                  "(it builds llama.cpp from source, several minutes)")
             continue
-        valid = ["hf_generate", "oracle", *SELECTOR_METHODS, *(f"fixed:{n}" for n in sorted(names)),
+        valid = ["hf_generate", "oracle", *SELECTOR_METHODS, *BACKEND_METHODS, *(f"fixed:{n}" for n in sorted(names)),
                  *(f"llamacpp:{f}" for f in llamacpp.FORMATS)]
         raise ValueError(f"unknown bench method {m!r}; valid: {', '.join(valid)}")
 
@@ -306,9 +156,12 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
         if "hf_generate" in methods and hf is None:
             hf = HFGenerate(engine)
         lcs = {m: LlamaCppMethod(sjob, engine, m) for m in methods if is_llamacpp(m)}
+        others = {m: backend_engine(sjob, BACKEND_METHODS[m]) for m in methods if m in BACKEND_METHODS}
         passes = warmup if warmup is not None else int(engine.target.device.type == "cuda")
 
         def loop_run(m: str, r: int) -> MethodRun:
+            if m in others:
+                return run_loop(others[m], "none", 0, data, slots, r, m, False)
             pipeline = {"spin-nopipe": False, "spin-pipe": True}.get(m, job_pipeline)
             gate = job.spin.confidence_gate and m != "spin-nogate"
             backoff = job.spin.backoff and m != "spin-nobackoff"
@@ -333,7 +186,7 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
                     this_repeat.append(lcs[m].run(data, slots, r))
                 else:
                     this_repeat.append(loop_run(m, r))
-                    this_repeat[-1].summary["backends"] = engine_backends
+                    this_repeat[-1].summary["backends"] = backends(others[m]) if m in others else engine_backends
                 bar.update(1)
             if "oracle" in methods:
                 bound = oracle(this_repeat, slots, r)

@@ -245,3 +245,22 @@ def test_graph_use_lines_sum_the_timed_runs():
         "spin slots=1: 40/60 short forwards replayed (5 shapes captured in the timed runs)",
     ]
     assert bench.graph_use(runs[3:]) == []
+
+
+def test_backends_side_by_side_in_one_run(job):
+    """autoregressive:transformers runs the same target through the transformers backend in the same bench:
+    its own runs and backends entry, its outputs compared with the native autoregressive ones."""
+    runs = bench.run_bench(job, ["autoregressive", "autoregressive:transformers"], [1, 3], limit=None, repeat=1,
+                           progress=False)
+    by = {(r.method, r.slots): r for r in runs}
+    assert set(by) == {(m, s) for m in ("autoregressive", "autoregressive:transformers") for s in (1, 3)}
+    for s in (1, 3):
+        other = by[("autoregressive:transformers", s)]
+        assert other.summary["backends"]["target"]["backend"] == "transformers"
+        assert by[("autoregressive", s)].summary["backends"]["target"]["backend"] == "native"
+        assert other.tokens == by[("autoregressive", s)].tokens  # a Llama: both backends give the same ids
+    lines = bench.agreement(runs)
+    assert "autoregressive:transformers slots=3: 5/5 outputs identical to autoregressive; 100.0% of tokens" \
+        in " ".join(lines), lines
+    with pytest.raises(ValueError, match="autoregressive:transformers"):
+        bench.check_methods(["autoregressive:tranformers"], job)
