@@ -43,7 +43,7 @@ from .config import JobConfig
 from .io.reader import iter_requests
 from .io.shards import list_shards
 from .records import Request
-from .runner import Engine, backends, build_engine, make_encoder
+from .build import Engine, backends, build_engine, make_encoder
 
 
 # -- the bench ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from .bench_policies import assigned_policy
 from .config import JobConfig
 from .engine.loop import BatchLoop
 from .records import Completion, Request
-from .runner import Engine
+from .build import Engine
 from .selection.factory import make_policy
 from .stats import RunStats
 

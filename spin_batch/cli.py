@@ -87,7 +87,8 @@ def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry
     from .models.cpu_decoder import CpuDecoderUnavailable
     from .models.loader import ModelNotFoundError
     from .models.spec import UnsupportedModelError
-    from .runner import RunLocked, StopFlag, check_models, run_job
+    from .preflight import check_models
+    from .runner import RunLocked, StopFlag, run_job
 
     job = _load(job_path, overrides)
     stop = StopFlag()
@@ -121,7 +122,7 @@ def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry
 @click.option("--no-models", is_flag=True, help="Skip model checks (input and config only).")
 def validate(job_path, overrides, no_models):
     """Check a job file and its input data without loading any model weights."""
-    from .runner import model_backends, validate_job
+    from .preflight import model_backends, validate_job
 
     job = _load(job_path, overrides)
     problems = validate_job(job, check_models_too=not no_models)
@@ -155,7 +156,7 @@ def bench(job_path, overrides, methods, slots_csv, limit, repeat, out_dir, promp
 
     from . import bench as b
 
-    from .runner import check_models, dir_problem
+    from .preflight import check_models, dir_problem
 
     job = _load(job_path, overrides)
     method_list = [m.strip() for m in methods.split(",")] if methods else b.default_methods(job)

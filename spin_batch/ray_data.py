@@ -72,7 +72,7 @@ def prepare_job(job: str | os.PathLike | Mapping | JobConfig, overrides: Sequenc
     before any weights load. Relative model paths are made absolute here, against the driver's
     working directory, since an actor may run elsewhere.
     """
-    from .runner import check_models
+    from .preflight import check_models
 
     if isinstance(job, JobConfig):
         if overrides:
@@ -107,7 +107,7 @@ class SpinBatchPredictor:
                  preprocess: Hook | None = None, postprocess: Hook | None = None):
         import torch
 
-        from .runner import build_engine, make_encoder
+        from .build import build_engine, make_encoder
 
         if threads is not None:  # torch's and our CPU kernels' OpenMP threads (they share one runtime)
             torch.set_num_threads(threads)

@@ -197,7 +197,7 @@ def test_the_oracle_is_run_with_each_request_on_its_hindsight_method(runs):
 
 
 def test_an_all_autoregressive_assignment_never_drafts(job):
-    from spin_batch.runner import build_engine
+    from spin_batch.build import build_engine
 
     engine = build_engine(job)
     data = bench.load_bench_input(job, engine, None)
@@ -208,9 +208,11 @@ def test_an_all_autoregressive_assignment_never_drafts(job):
 
 
 def test_spin_nogate_turns_the_confidence_gate_off(job, monkeypatch):
+    from spin_batch import bench_methods
+
     made = []
-    real = bench.make_policy
-    monkeypatch.setattr(bench, "make_policy", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    real = bench_methods.make_policy
+    monkeypatch.setattr(bench_methods, "make_policy", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     runs = bench.run_bench(job, ["autoregressive", "spin", "spin-nogate"], [2], limit=None, repeat=1, progress=False)
     assert bench.mismatches(runs) == []
     # spin gives both drafters (a model and an n-gram drafter) a confidence floor; spin-nogate none

@@ -19,7 +19,8 @@ from spin_batch.sampling import SamplingParams, make_generator
 from spin_batch.models.distilled import DRAFT_KEY, check_pairing, fingerprint, load_draft
 from spin_batch.models.loader import load_model, load_tokenizer
 from spin_batch.models.segments import Segments
-from spin_batch.runner import check_models, run_job
+from spin_batch.preflight import check_models
+from spin_batch.runner import run_job
 
 from conftest import TRAIN_PROMPTS, write_jsonl
 
@@ -291,7 +292,7 @@ def test_trained_draft_in_a_job_equals_autoregressive(tmp_path, tiny_distilled, 
 @pytest.mark.parametrize("bf16_fast", [True, False])
 def test_distilled_drafts_default_to_bf16_where_native_and_share_one_embedding(tiny_distilled, tiny_dir,
                                                                                monkeypatch, bf16_fast):
-    from spin_batch.runner import build_drafters
+    from spin_batch.build import build_drafters
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16_fast)
     settings, _ = tiny_distilled

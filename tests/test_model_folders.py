@@ -132,9 +132,9 @@ def test_checkpoint_tensors_not_those_config_reads_are_refused(tmp_path, pristin
     refused(invoke("validate", job), name, says)
     refused(invoke("run", job, "--no-progress"), name)
     # and where the load itself finds it (check_models skipped): one line too
-    import spin_batch.runner as runner
+    import spin_batch.preflight as preflight
 
-    monkeypatch.setattr(runner, "check_models", lambda job: [])
+    monkeypatch.setattr(preflight, "check_models", lambda job: [])
     refused(invoke("run", job, "--no-progress"), name)
 
 
@@ -257,9 +257,9 @@ def test_corrupt_safetensors_is_a_problem_naming_the_file(tmp_path, pristine, ca
     job = job_file(tmp_path, model)
     refused(invoke("validate", job), str(weights), says)
     refused(invoke("run", job, "--no-progress"), str(weights))
-    import spin_batch.runner as runner
+    import spin_batch.preflight as preflight
 
-    monkeypatch.setattr(runner, "check_models", lambda job: [])  # the load's own check: one line too
+    monkeypatch.setattr(preflight, "check_models", lambda job: [])  # the load's own check: one line too
     refused(invoke("run", job, "--no-progress"), str(weights), says)
 
 
@@ -275,7 +275,7 @@ def test_eos_ids_follow_transformers_generate(tmp_path, tiny_dir):
     from spin_batch.selection.fixed import NoSpeculation
     from spin_batch.sampling import SamplingParams
     from spin_batch.records import Request
-    from spin_batch.runner import eos_ids
+    from spin_batch.build import eos_ids
 
     model = build_tiny_model(tmp_path / "m", layers=2, seed=9, tokenizer_dir=tiny_dir)
     tok = AutoTokenizer.from_pretrained(str(model))

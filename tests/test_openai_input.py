@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from spin_batch import runner
+from spin_batch import preflight
 from spin_batch.config import ConfigError, parse_job
 from spin_batch.io.params import ParamError, body_params, column_params, row_params
 from spin_batch.io.checks import check_columns, check_input
@@ -259,7 +259,7 @@ def test_check_input_names_the_first_bad_line(tmp_path: Path) -> None:
 def test_validate_reports_a_malformed_openai_file(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "batch.jsonl", [completion("a"), completion("b", prompt=[1, 2, 3])])
     job = parse_job({"input": {"paths": [str(path)], "format": "openai"}, "output": {"dir": str(tmp_path / "o")}})
-    problems = runner.validate_job(job, check_models_too=False)
+    problems = preflight.validate_job(job, check_models_too=False)
     assert problems == [f"1 bad row (bad prompt type); first at {path.resolve()}#1 (line 2): body.prompt must be one "
                         "string; a list of prompts or of token ids is not supported"]
 
@@ -267,7 +267,7 @@ def test_validate_reports_a_malformed_openai_file(tmp_path: Path) -> None:
 def test_validate_rejects_parquet_in_an_openai_job(tmp_path: Path) -> None:
     pq.write_table(pa.table({"id": ["x"], "prompt": ["p"]}), tmp_path / "b.parquet")
     job = parse_job({"input": {"paths": [str(tmp_path)], "format": "openai"}, "output": {"dir": str(tmp_path / "o")}})
-    (problem,) = runner.validate_job(job, check_models_too=False)
+    (problem,) = preflight.validate_job(job, check_models_too=False)
     assert "is a Parquet file, but input.format openai reads OpenAI batch files" in problem
 
 

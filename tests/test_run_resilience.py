@@ -233,7 +233,9 @@ def test_ctrl_c_during_start_up_exits_130_at_once(tmp_path, tiny_dir, monkeypatc
     def interrupted(*a, **k):  # Ctrl-C before the handler is installed (Python's own KeyboardInterrupt)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner, "check_models", interrupted)
+    import spin_batch.preflight as preflight
+
+    monkeypatch.setattr(preflight, "check_models", interrupted)
     result = invoke("run", job, "--no-progress")
     assert result.exit_code == 130 and "Aborted!" not in result.output, _describe(result)
 

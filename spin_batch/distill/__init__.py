@@ -105,7 +105,7 @@ def _teacher(s: DistillSettings, name: str, prompts: tuple[str, ...], target, to
              progress: bool, samples: int = 0) -> TeacherData:
     """Generate and score (or reuse what an earlier run cached) the teacher data for these prompts:
     the greedy completions, plus `samples` sampled ones per prompt (each its own resumable job)."""
-    from ..runner import eos_ids, make_encoder
+    from ..build import eos_ids, make_encoder
 
     cache_file = s.out / "data" / f"{name}.pt"
     dtype = str(target.dtype).removeprefix("torch.")  # the key names the dtype the data is made in
@@ -135,7 +135,7 @@ def _teacher(s: DistillSettings, name: str, prompts: tuple[str, ...], target, to
 
 
 def run_distill(s: DistillSettings, progress: bool = True) -> dict:
-    from ..runner import eos_ids
+    from ..build import eos_ids
 
     t_start = time.perf_counter()
     device = loader.resolve_device(s.device)

@@ -1,0 +1,211 @@
+"""A job's engine: the target and drafters loaded on their backends, their caches, the policy and the
+BatchLoop; the prompt encoder; what each model runs on (summary.json's `backends`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import (
+    COMPOSITE_KINDS,
+    CascadeDrafterConfig,
+    EarlyExitDrafterConfig,
+    JobConfig,
+    ModelDrafterConfig,
+    NgramDrafterConfig,
+    VoteDrafterConfig,
+)
+from .drafters.base import Drafter
+from .drafters.cascade import CascadeDrafter
+from .drafters.early_exit import EarlyExitDrafter
+from .drafters.model import FeatureDrafter, ModelDrafter
+from .drafters.ngram import NgramDrafter
+from .drafters.vote import VoteDrafter
+from .engine.loop import BatchLoop, LoopSettings
+from .models import cpu_plan, loader
+from .models.distilled import TargetFeatures, draft_meta, load_draft
+from .models.hf_backend import TransformersModel
+from .models.llama import LlamaModel
+from .records import Request
+from .sampling import SamplingParams
+from .selection.factory import make_policy
+from .stats import RunStats
+
+
+# -- building the engine ---------------------------------------------------------------
+
+
+@dataclass
+class Engine:
+    model_dir: Path
+    target: LlamaModel
+    tokenizer: object
+    loop: BatchLoop
+    load_time_s: float
+
+
+def eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    """The ids that end a completion: the tokenizer's eos token, plus the eos_token_id (an int or a list)
+    that transformers' generate stops at: generation_config.json's where the folder has one, else
+    config.json's (GenerationConfig.from_pretrained falls back to config.json, as from_model_config does)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen_cfg = Path(model_dir) / "generation_config.json"
+    source = gen_cfg if gen_cfg.exists() else Path(model_dir) / "config.json"
+    e = json.loads(source.read_text()).get("eos_token_id")
+    ids.update(e if isinstance(e, list) else [e] if e is not None else [])
+    return frozenset(ids)
+
+
+def make_encoder(tokenizer, job: JobConfig) -> Callable[[Request], list[int]]:
+    """Request -> prompt token ids; raises ValueError for a row that cannot be encoded."""
+    icfg = job.input
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if icfg.chat_template is True and not has_template:
+        raise ValueError("input.chat_template is true but the target tokenizer has no chat template")
+    template_prompts = icfg.chat_template is True or (icfg.chat_template == "auto" and has_template)
+    # A token covers at most as many characters as its vocabulary string has (a byte-level token's
+    # string has one character per byte, an added token's is its text), so a text longer than
+    # (max_model_len - 1) x the longest cannot fit. It is turned away before tokenizing, whose time
+    # and memory grow with the text (a 20 MB prompt took 40 s and 4 GB to be told it was too long).
+    longest = max(max((len(t) for t in tokenizer.get_vocab()), default=1), 1)
+    max_chars = (job.batch.max_model_len - 1) * longest
+
+    def tokenize(text: str, **kwargs) -> list[int]:
+        if len(text) > max_chars:
+            raise ValueError(f"prompt has {len(text)} characters, more than max_model_len {job.batch.max_model_len} "
+                             f"can hold ({job.batch.max_model_len - 1} tokens of at most {longest} characters, the "
+                             "longest in this tokenizer's vocabulary); not tokenized")
+        return tokenizer.encode(text, **kwargs)
+
+    def render(messages: list[dict]) -> list[int]:
+        if not has_template:
+            raise ValueError("row has messages but the target tokenizer has no chat template")
+        if icfg.system_prompt is not None and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": icfg.system_prompt}] + messages
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # a template may raise anything (jinja errors, role checks)
+            raise ValueError(f"chat template failed: {e}") from e
+        return tokenize(text, add_special_tokens=False)
+
+    def encode(req: Request) -> list[int]:
+        if req.messages is not None:
+            ids = render([dict(m) for m in req.messages])
+        elif template_prompts and req.endpoint != "completion":  # an OpenAI /v1/completions prompt is raw text
+            ids = render([{"role": "user", "content": req.prompt}])
+        else:
+            ids = tokenize(req.prompt)
+        if not ids:
+            raise ValueError("prompt is empty after tokenization")
+        return ids
+
+    return encode
+
+
+def distilled_draft_dtype(target_dtype: str, device: torch.device) -> str:
+    """A distilled draft's default dtype: bfloat16 where bf16 matmuls are native (GPUs with bf16,
+    CPUs with AVX512-BF16/AMX), which halves the weights it streams per draft token; else the
+    target's. A draft's precision never changes the output, only how often its tokens are accepted."""
+    return "bfloat16" if loader.native_bf16(device) else target_dtype
+
+
+def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: torch.device) -> dict[str, Drafter]:
+    drafters: dict[str, Drafter] = {}
+    features: TargetFeatures | None = None  # shared by the drafters that read the target's features
+    embeds: dict[torch.dtype, torch.Tensor] = {}  # the target's embedding per draft dtype, shared by drafts
+    for d in job.drafters:
+        if isinstance(d, EarlyExitDrafterConfig):
+            drafters[d.name] = EarlyExitDrafter(d.name, target, target_cache, d.layers)
+        elif isinstance(d, ModelDrafterConfig):
+            draft_dir = loader.resolve_model_dir(d.model)
+            meta = draft_meta(draft_dir)
+            loop = cpu_plan.workloads(job.batch.slots, 0)  # a draft decodes one token a slot at a time
+            if meta is not None and not isinstance(target, LlamaModel):
+                raise ValueError(f"drafter {d.name!r}: a distilled draft runs next to a native target only")
+            if meta is not None:  # distilled: reads the target's embeddings (and maybe its features)
+                dtype = d.dtype or distilled_draft_dtype(job.target.dtype, device)
+                model = load_draft(draft_dir, target, loader.DTYPES[dtype], device, embeds, loop)
+            else:
+                model = loader.load_model(draft_dir, d.dtype or job.target.dtype, device, loop,
+                                          execution=target.execution, backend=d.backend,
+                                          trust_remote_code=d.trust_remote_code)
+            if model.spec.vocab_size != target.spec.vocab_size:
+                raise ValueError(f"drafter {d.name!r}: vocab size {model.spec.vocab_size} differs from the "
+                                 f"target's {target.spec.vocab_size}")
+            cache = model.allocate_cache(job.batch.slots, job.batch.max_model_len)
+            if model.feature_head is not None:
+                if features is None:
+                    features = TargetFeatures(job.batch.slots, job.batch.max_model_len, target.spec.hidden_size,
+                                              target.spec.rms_norm_eps, target.dtype, device)
+                drafters[d.name] = FeatureDrafter(d.name, model, cache, features)
+            else:
+                drafters[d.name] = ModelDrafter(d.name, model, cache)
+        elif isinstance(d, NgramDrafterConfig):
+            drafters[d.name] = NgramDrafter(d.name, d.min_ngram, d.max_ngram)
+        elif d.kind not in COMPOSITE_KINDS:  # a kind added to config.py but not here
+            raise ValueError(f"drafter kind {d.kind!r} has no implementation")
+    for d in job.drafters:  # votes and cascades last: they reuse the drafters above
+        members = {m: drafters[m] for m in getattr(d, "members", ())}
+        if isinstance(d, VoteDrafterConfig):
+            drafters[d.name] = VoteDrafter(d.name, members, d.beta, job.batch.slots)
+        elif isinstance(d, CascadeDrafterConfig):
+            drafters[d.name] = CascadeDrafter(d.name, members, d.min_tokens)
+    return {d.name: drafters[d.name] for d in job.drafters}
+
+
+def loop_settings(job: JobConfig, eos: frozenset[int], device: torch.device) -> LoopSettings:
+    s = job.sampling
+    pipeline = job.spin.pipeline == "on" or (job.spin.pipeline == "auto" and device.type == "cuda")
+    return LoopSettings(
+        slots=job.batch.slots,
+        max_model_len=job.batch.max_model_len,
+        max_num_batched_tokens=job.batch.max_num_batched_tokens,
+        max_tokens=s.max_tokens,
+        sampling=SamplingParams(s.temperature, s.top_k, s.top_p),
+        seed=s.seed,
+        stop=s.stop,
+        ignore_eos=s.ignore_eos,
+        eos_token_ids=eos,
+        pipeline=pipeline,
+    )
+
+
+def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
+    t0 = time.perf_counter()
+    device = loader.resolve_device(job.target.device)
+    target_dir = loader.resolve_model_dir(job.target.model)
+    tokenizer = loader.load_tokenizer(target_dir)
+    loop = cpu_plan.workloads(job.batch.slots, job.spin.num_speculative_tokens if job.drafters else 0)
+    target = loader.load_model(target_dir, job.target.dtype, device, loop,
+                               execution=loader.resolve_execution(job.target.kernels, device),
+                               backend=job.target.backend, trust_remote_code=job.target.trust_remote_code)
+    cache = target.allocate_cache(job.batch.slots, job.batch.max_model_len)
+    drafters = build_drafters(job, target, cache, device)
+    policy = make_policy(job.spin.selector, drafters, job.spin.num_speculative_tokens, job.sampling.seed,
+                         job.spin.confidence_gate, backoff=job.spin.backoff)
+    loop = BatchLoop(target, tokenizer, loop_settings(job, eos_ids(target_dir, tokenizer), device), policy, drafters,
+                     cache, stats)
+    return Engine(target_dir, target, tokenizer, loop, time.perf_counter() - t0)
+
+
+def backends(engine: Engine) -> dict:
+    """Which backend and path each model runs on and why (native: cpu_plan.py, execution.py; transformers:
+    hf_backend.py): the target's, and each model drafter's."""
+    out = {"target": model_backend(engine.target)}
+    for name, d in engine.loop.drafters.items():
+        model = getattr(d, "model", None)
+        if isinstance(model, (LlamaModel, TransformersModel)) and model is not engine.target:
+            out[name] = model_backend(model)
+    return out
+
+
+def model_backend(model: LlamaModel | TransformersModel) -> dict:
+    """A model's backend() led by the backend's name (a TransformersModel's names itself)."""
+    return {"backend": loader.NATIVE, **model.backend()}

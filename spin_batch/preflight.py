@@ -1,0 +1,143 @@
+"""`spin-batch validate`, and the checks every run makes first: the job, its input, its output folder and
+its models (config, tokenizer, checkpoint headers, backend, kernels), all before any weights load."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .config import EarlyExitDrafterConfig, JobConfig, ModelDrafterConfig
+from .drafters.early_exit import check_layers
+from .io.checks import check_columns, check_input
+from .io.shards import InputError, list_shards
+from .models import loader
+from .models.distilled import check_pairing, draft_meta
+from .models.spec import window_problem
+
+
+# -- checks that need no weights -------------------------------------------------------
+
+
+def dir_problem(path: Path) -> list[str]:
+    """Why `path` cannot be made a directory to write in (it, or a folder above it, is a file; it, or
+    the folder it would be made in, is not writable), if it cannot."""
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                return [f"{p} exists and is not a directory"]
+            if not os.access(p, os.W_OK | os.X_OK):
+                return [f"{p} is not writable" if p == path else f"cannot create {path}: {p} is not writable"]
+            return []
+    return []
+
+
+def check_output(job: JobConfig) -> list[str]:
+    """Whether output.dir can be a directory this process writes in."""
+    return [f"output.dir: {p}" for p in dir_problem(Path(job.output.dir))]
+
+
+def check_models(job: JobConfig) -> list[str]:
+    """Model-level problems of a job, without loading weights: the device, missing or unreadable model
+    folders, checkpoints whose tensors do not fit their config.json (safetensors headers only), missing
+    tokenizers, a context past a sliding window, early-exit depth, tokenizer mismatch, draft pairing."""
+    try:
+        device = loader.resolve_device(job.target.device)
+    except RuntimeError as e:
+        return [f"target.device: {e}"]
+    try:  # the kernels target.kernels asks for (and the environment's overrides) can run here
+        loader.resolve_execution(job.target.kernels, device)
+    except loader.ExecutionError as e:
+        return [str(e)]
+    target = job.target
+    problems = loader.check_model_ref(target.model, target.backend, target.trust_remote_code,
+                                      job.batch.max_model_len)
+    if problems:
+        return problems
+    target_dir = loader.resolve_model_dir(job.target.model)
+    if draft_meta(target_dir) is not None:
+        return [f"target.model: {job.target.model} is a distilled draft; it runs only as a `kind: model` drafter "
+                "next to the target it was distilled for"]
+    backend = loader.resolve_backend(target.backend, target_dir)
+    if backend == loader.TRANSFORMERS and target.kernels == "c":
+        problems.append("target.kernels: c is the native decoder's C path; the transformers backend runs "
+                        "transformers' own layers (use auto or torch)")
+    if backend == loader.NATIVE:
+        spec = loader.read_spec(target_dir)
+        window = window_problem(spec, job.batch.max_model_len)
+        if window:
+            problems.append(f"target.model: {window}; set batch.max_model_len to {spec.sliding_window} or less, "
+                            "or target.backend: transformers")
+    try:
+        target_vocab = loader.load_tokenizer(target_dir).get_vocab()
+    except loader.TokenizerError as e:
+        problems.append(f"target.model: {e}")
+        target_vocab = None
+    for d in job.drafters:
+        if isinstance(d, EarlyExitDrafterConfig):
+            p = check_layers(d.layers, loader.model_layers(target_dir, backend, target.trust_remote_code))
+            if p:
+                problems.append(f"drafters.{d.name}: {p}")
+        elif isinstance(d, ModelDrafterConfig):
+            refs = loader.check_model_ref(d.model, d.backend, d.trust_remote_code, job.batch.max_model_len)
+            if refs:
+                problems.extend(f"drafters.{d.name}: {r}" for r in refs)
+                continue
+            draft_dir = loader.resolve_model_dir(d.model)
+            if loader.resolve_backend(d.backend, draft_dir) == loader.NATIVE:
+                window = window_problem(loader.read_spec(draft_dir), job.batch.max_model_len)
+                if window:
+                    problems.append(f"drafters.{d.name}: {window}")
+            if draft_meta(draft_dir) is not None and backend != loader.NATIVE:
+                problems.append(f"drafters.{d.name}: a distilled draft reads the target's embeddings and runs next "
+                                "to a native target only (target.backend: auto or native)")
+                continue
+            if draft_meta(draft_dir) is None:  # a plain model: its token ids must mean the target's tokens
+                try:
+                    draft_vocab = loader.load_tokenizer(draft_dir).get_vocab()
+                except loader.TokenizerError as e:
+                    problems.append(f"drafters.{d.name}: {e} (needed to check it against the target's)")
+                    continue
+                if target_vocab is not None and draft_vocab != target_vocab:
+                    problems.append(f"drafters.{d.name}: tokenizer of {d.model} does not match the target's tokenizer")
+                continue
+            # a distilled draft reads the target's tokens and embeddings: the fingerprint pairs them
+            try:
+                why = check_pairing(draft_dir, target_dir)
+            except ValueError as e:  # the target has no embeddings a draft can pair with
+                why = str(e)
+            if why is not None:
+                problems.append(f"drafters.{d.name}: {why}")
+    return problems
+
+
+def validate_job(job: JobConfig, check_models_too: bool = True) -> list[str]:
+    """Everything `spin-batch validate` checks: input files and rows, then models."""
+    try:
+        shards = list_shards(job.input.paths, job.input.format)
+    except ValueError as e:
+        return [str(e)]
+    problems = check_input(shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
+                           messages_column=job.input.messages_column, max_line_bytes=job.input.max_line_bytes,
+                           params_column=job.input.params_column, fmt=job.input.format,
+                           keep_columns=job.output.keep_columns)
+    try:  # a column that none of the first rows of the first JSONL shard has (check_input counts bad rows)
+        check_columns([p for p in shards if p.suffix != ".parquet"], id_column=job.input.id_column,
+                      prompt_column=job.input.prompt_column, messages_column=job.input.messages_column,
+                      max_line_bytes=job.input.max_line_bytes, fmt=job.input.format)
+    except InputError as e:
+        problems.append(str(e))
+    problems += check_output(job)
+    if check_models_too:
+        problems += check_models(job)
+    return problems
+
+
+def model_backends(job: JobConfig) -> dict[str, str]:
+    """The backend each model of a job will run on (validate says it), for a job check_models passed."""
+    out = {"target": loader.resolve_backend(job.target.backend, loader.resolve_model_dir(job.target.model))}
+    for d in job.drafters:
+        if isinstance(d, ModelDrafterConfig):
+            out[d.name] = loader.resolve_backend(d.backend, loader.resolve_model_dir(d.model))
+    return out
+
+
