@@ -317,10 +317,18 @@ def backend_use(runs: list[MethodRun]) -> list[str]:
     out: dict[str, None] = {}
     for r in runs:
         for name, b in (r.summary.get("backends") or {}).items():
-            build = b.get("c_build")
-            where = f", C build -march={build['march']} ({build['isa']})" if build else ""
-            out[f"{r.slots} slots, {name}: layers {b['layers']}, LM head {b['lm_head']}{where}: {b['why']}"] = None
+            out[f"{r.slots} slots, {name} ({r.method}): {_backend_line(b)}" if b.get("backend") == "transformers"
+                else f"{r.slots} slots, {name}: {_backend_line(b)}"] = None
     return list(out)
+
+
+def _backend_line(b: dict) -> str:
+    """One model's backends entry (summary.json) in words."""
+    if b.get("backend") == "transformers":
+        return f"transformers backend, {b.get('model_class')}, attention on {b.get('attention')}"
+    build = b.get("c_build")
+    where = f", C build -march={build['march']} ({build['isa']})" if build else ""
+    return f"layers {b['layers']}, LM head {b['lm_head']}{where}: {b['why']}"
 
 
 def graph_use(runs: list[MethodRun]) -> list[str]:

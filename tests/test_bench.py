@@ -261,6 +261,9 @@ def test_backends_side_by_side_in_one_run(job):
         assert other.summary["backends"]["target"]["backend"] == "transformers"
         assert by[("autoregressive", s)].summary["backends"]["target"]["backend"] == "native"
         assert other.tokens == by[("autoregressive", s)].tokens  # a Llama: both backends give the same ids
+    used = bench.backend_use(runs)  # the report names each backend (a transformers entry has no CPU plan)
+    assert any("target (autoregressive:transformers): transformers backend, LlamaForCausalLM" in u for u in used), used
+    assert any(u.startswith("3 slots, target: layers ") for u in used), used
     lines = bench.agreement(runs)
     assert "autoregressive:transformers slots=3: 5/5 outputs identical to autoregressive; 100.0% of tokens" \
         in " ".join(lines), lines
