@@ -24,6 +24,8 @@ if not torch.cuda.is_available():
 # tests of the torch path build their models with a forced plan.
 os.environ.setdefault("SPIN_BATCH_CPU_GEMM", "on")
 
+from spin_batch.selection.policy import Choice, Policy  # noqa: E402  (after the environment above)
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -172,3 +174,16 @@ def tiny_distilled(tmp_path_factory, tiny_dir):
 def tiny_distilled_plain(tmp_path_factory, tiny_dir):
     """A plain (token-only) draft distilled from the tiny target."""
     return distill_tiny(tmp_path_factory.mktemp("distill-plain"), tiny_dir, "1x64", features=False)
+
+
+class Cycle(Policy):
+    """A policy that drafts at every step: drafter and gamma (1..4) vary by slot and step (the
+    loop-level equality tests use it to mix drafters and draft lengths in one batch)."""
+
+    def __init__(self, names: list[str]):
+        self.names, self.t = names, 0
+
+    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
+        self.t += 1
+        return [Choice(self.names[(s + self.t) % len(self.names)], min(1 + (s + self.t) % 4, cap)) if cap else
+                Choice(None, 0) for s, cap in zip(slots, caps)]

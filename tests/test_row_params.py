@@ -15,23 +15,12 @@ from spin_batch.models.loader import load_model, load_tokenizer
 from spin_batch.records import Completion, Request, RowParams
 from spin_batch.sampling import SamplingParams
 from spin_batch.selection.fixed import NoSpeculation
-from spin_batch.selection.policy import Choice, Policy
+
+from conftest import Cycle
 
 PROMPTS = ["the cat sat on the mat", "one two three four", "a b a b a b a", "hello world, hello",
            "red green blue", "x y z"]
 JOB_MAX = 12
-
-
-class Cycle(Policy):
-    """Drafts at every step, drafter and gamma (1..4) varying by slot and step."""
-
-    def __init__(self, names: list[str]):
-        self.names, self.t = names, 0
-
-    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
-        self.t += 1
-        return [Choice(self.names[(s + self.t) % len(self.names)], min(1 + (s + self.t) % 4, cap)) if cap else
-                Choice(None, 0) for s, cap in zip(slots, caps)]
 
 
 @pytest.fixture(scope="module")
