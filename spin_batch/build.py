@@ -149,7 +149,7 @@ def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: tor
                 drafters[d.name] = ModelDrafter(d.name, model, cache)
         elif isinstance(d, NgramDrafterConfig):
             drafters[d.name] = NgramDrafter(d.name, d.min_ngram, d.max_ngram)
-        elif d.kind not in COMPOSITE_KINDS:  # a kind added to config.py but not here
+        elif d.kind not in COMPOSITE_KINDS:  # a kind added to config/drafters.py but not here
             raise ValueError(f"drafter kind {d.kind!r} has no implementation")
     for d in job.drafters:  # votes and cascades last: they reuse the drafters above
         members = {m: drafters[m] for m in getattr(d, "members", ())}

@@ -1,4 +1,4 @@
-"""The job's kernels (target.kernels: auto | c | torch | triton): parsed in config.py, resolved once in
+"""The job's kernels (target.kernels: auto | c | torch | triton): parsed in config/sections.py, resolved once in
 loader.resolve_execution (the environment overriding), checked by validate before any model loads, and
 received by every model, which reads no environment itself."""
 
@@ -37,12 +37,12 @@ def _job(**target) -> dict:
     return {"input": {"paths": "in.jsonl"}, "output": {"dir": "out"}, "target": target}
 
 
-# -- config.py ---------------------------------------------------------------------------------
+# -- config/sections.py-----------------------------------------------------------------------------
 
 
 def test_target_kernels_parses_and_defaults_to_auto():
     assert parse_job(_job()).target.kernels == "auto"
-    for choice in CHOICES:  # config.py spells the choices out; execution.py's must be the same
+    for choice in CHOICES:  # config/sections.py spells the choices out; execution.py's must be the same
         job = parse_job(_job(kernels=choice))
         assert job.target.kernels == choice
         assert parse_job(job_to_dict(job)) == job

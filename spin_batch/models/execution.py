@@ -1,6 +1,6 @@
 """Which kernels a job's models run on: chosen once per job, handed to every model it loads.
 
-The job says it in `target.kernels` (config.py):
+The job says it in `target.kernels` (config/sections.py):
 - `auto`: on CPU, per model, the path measured fastest there (cpu_plan.py: the C decoder, oneDNN and
   torch, or a mix); on CUDA, the Triton kernels (spin_kernels) with CUDA graphs where Triton imports,
   else torch.
