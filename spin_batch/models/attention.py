@@ -4,7 +4,8 @@ A forward's tokens are packed as segments (segments.py), each a run of new token
 attends to its slot's cached prefix plus itself causally. attention_ref attends segment by segment;
 attention follows an AttentionPlan, which groups the short segments (decode, verify) into a few
 batched calls and leaves the long ones (prefill chunks) a call each. The same plan serves the
-transformers backend (hf_attention.py).
+transformers backend (hf_attention.py). A tree segment (segments.py; not yet fed by the loop) is
+attended by attention_ref with its tree mask, a call each, whatever its length.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ def attention_ref(
     """Torch reference for packed varlen attention over per-slot caches.
 
     q: [N, H, D]; cache_k/cache_v: [slots, KV, max_len, D] (this segment's K/V already written).
-    Returns [N, H, D]. Segment s's query i (absolute position cache_len + i) sees its slot's
-    keys at positions <= cache_len + i. `only` restricts it to those segment indices (other rows
-    of the result are left unset).
+    Returns [N, H, D]. Segment s's query i (cache row cache_len + i) sees its slot's keys at
+    rows <= cache_len + i; in a tree segment, the rows < cache_len plus those of its ancestors and
+    itself (Segments.tree_mask). `only` restricts it to those segment indices (other rows of the
+    result are left unset).
     """
     out = torch.empty_like(q)
     for i in range(seg.num_segments) if only is None else only:
@@ -36,7 +38,10 @@ def attention_ref(
         ks = cache_k[slot, :, :total].unsqueeze(0)  # [1, KV, total, D]
         vs = cache_v[slot, :, :total].unsqueeze(0)
         mask = None
-        if n > 1:
+        if seg.is_tree(i):
+            prefix = torch.ones(n, c, dtype=torch.bool, device=q.device)
+            mask = torch.cat((prefix, seg.tree_mask(i).to(q.device)), dim=1)  # [n, total]
+        elif n > 1:
             key_pos = torch.arange(total, device=q.device)
             query_pos = torch.arange(c, total, device=q.device)
             mask = key_pos[None, :] <= query_pos[:, None]  # [n, total]
@@ -135,14 +140,17 @@ class AttentionPlan:
     span of slots it covers (see _ShortGroup). One group for all pads every slot to the longest
     draft; one group per length covers the span once per length. The groups are the runs of
     sorted distinct lengths that minimise the padded rows plus GROUP_CALL_ROWS per call (a small
-    dynamic programme over at most SHORT_SEGMENT lengths).
+    dynamic programme over at most SHORT_SEGMENT lengths). Tree segments join no group: they go
+    with the long ones, a masked reference call each (`long`).
     """
 
     def __init__(self, seg: Segments, groups: int, dtype: torch.dtype, device: torch.device):
         by_len: dict[int, list[int]] = {}
         self.long: list[int] = []
         for i, n in enumerate(seg.lengths()):
-            if 0 < n <= SHORT_SEGMENT:
+            if seg.has_trees and n > 0 and seg.is_tree(i):
+                self.long.append(i)
+            elif 0 < n <= SHORT_SEGMENT:
                 by_len.setdefault(n, []).append(i)
             elif n > SHORT_SEGMENT:
                 self.long.append(i)
@@ -176,7 +184,7 @@ class AttentionPlan:
 def attention(
     q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, seg: Segments, plan: AttentionPlan
 ) -> torch.Tensor:
-    """Packed attention per the plan: a batched call per segment length, a call per long segment."""
+    """Packed attention per the plan: a batched call per group of short segments, a call per long or tree segment."""
     if plan.whole:
         return plan.groups[0].attend(q, cache_k, cache_v)
     out = attention_ref(q, cache_k, cache_v, seg, only=plan.long) if plan.long else torch.empty_like(q)

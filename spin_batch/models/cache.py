@@ -3,6 +3,9 @@
 One cache per model: K and V of shape [layers, slots, kv_heads, max_len, head_dim]. A slot's
 valid length is owned by the caller (the batch loop): rollback is moving that length back,
 and later writes overwrite whatever lay beyond it. Nothing is ever copied to roll back.
+
+After a token-tree verify (segments.py; not yet run by the loop) the accepted nodes lie scattered
+over the tree's scratch rows: keep_path moves them into place (see there).
 """
 
 from __future__ import annotations
@@ -61,3 +64,28 @@ class KVCache:
         d = self.k.shape[-1]
         self.k[layer].view(-1, d).index_copy_(0, rows, k.reshape(-1, d))
         self.v[layer].view(-1, d).index_copy_(0, rows, v.reshape(-1, d))
+
+    def keep_path(self, slot: int, cache_len: int, path: list[int]) -> int:
+        """Keep one accepted path of a tree segment verified at cache_len in this slot; returns the
+        slot's valid length after it, cache_len + 1 + len(path).
+
+        The tree segment wrote its token i at row cache_len + i of every layer; token 0 is the root
+        (the last committed token, which the loop feeds at row cache_len = committed length - 1) and
+        stays where it is. path lists the accepted draft nodes below the root, root excluded, in
+        order from the root down (path[0]'s parent is 0, path[k]'s parent is path[k - 1]), so it
+        increases strictly and path[k] >= k + 1. Row cache_len + path[k] moves to cache_len + 1 + k
+        in every layer, K and V; rows past the returned length are left as they are (stale, never read).
+        """
+        if any(b <= a for a, b in zip([0] + path, path)):
+            raise ValueError(f"keep_path: path {path} must increase strictly from the root (0), root excluded")
+        end = cache_len + 1 + len(path)
+        if path and cache_len + path[-1] >= self.max_len:
+            raise ValueError(f"keep_path: row {cache_len + path[-1]} is past the cache's {self.max_len} rows")
+        moved = [k for k, p in enumerate(path) if p != k + 1]
+        if moved:
+            src = torch.tensor([cache_len + path[k] for k in moved], device=self.k.device)
+            dst = torch.tensor([cache_len + 1 + k for k in moved], device=self.k.device)
+            for t in (self.k, self.v):
+                rows = t[:, slot]  # [layers, kv_heads, max_len, head_dim], a view
+                rows[:, :, dst] = rows[:, :, src]  # the source rows are gathered before any is written
+        return end

@@ -307,6 +307,10 @@ class LlamaModel:
         """
         s = self.spec
         layers = num_layers or s.num_layers
+        if seg.has_trees and (self.kernels or self.c_attention):
+            raise NotImplementedError(
+                "token-tree segments run on the torch path only (target.kernels: torch, or a model planned "
+                "execution.forced('torch')): the C attention and decoder and the Triton kernels have no tree mask yet")
         if self.c_decoder is not None and not self.kernels:
             h = self._embed(tokens, extra).contiguous()
             return self.c_decoder(h, layers, seg.token_slots, seg.positions,
@@ -385,7 +389,7 @@ class LlamaModel:
     def _torch_attention(self, seg: Segments, cache: KVCache):
         plan = AttentionPlan(seg, self.spec.num_heads // self.spec.num_kv_heads, self.dtype, self.device)
 
-        rows = cache.rows(seg.token_slots, seg.positions)
+        rows = cache.rows(seg.token_slots, seg.rows)  # seg.rows is seg.positions unless a segment is a tree
 
         def attend(li: int, cache: KVCache, q, k, v) -> torch.Tensor:
             cache.write(li, rows, k, v)
