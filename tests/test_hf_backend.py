@@ -481,3 +481,28 @@ def test_validate_refuses_with_the_reason_before_loading_weights(tmp_path, gpt2_
         {"name": "small", "kind": "model", "model": str(tiny_dir), "backend": "transformers"}])
     result = invoke("validate", ok)
     assert result.exit_code == 0 and "small: transformers backend" in result.output, result.output
+
+
+# -- the C kernels on CPU ---------------------------------------------------------------------------------
+
+
+def test_the_c_kernels_give_torchs_logits_and_greedy_tokens(folders):
+    """On CPU the backend runs every nn.Linear on our GEMM and plain causal attention on the C attention
+    (Qwen3 here: head_dim 16, which the C attention takes); the torch path (cpu: torch) is transformers' own.
+    Same logits within float32 rounding, same greedy tokens."""
+    from spin_batch.models import cpu_decoder
+
+    if cpu_decoder.library() is None:
+        pytest.skip(f"the C kernels do not build here: {cpu_decoder.unavailable_reason()}")
+    fast = TransformersModel.load(folders["qwen3"], torch.float32, "cpu")
+    plain = TransformersModel.load(folders["qwen3"], torch.float32, "cpu", Execution(cpu="torch"))
+    assert fast.backend()["attention"] == "c" and fast.backend()["c_linears"] > 0
+    assert plain.backend()["attention"] == "torch" and plain.backend()["c_linears"] == 0
+    assert not any(type(m) is torch.nn.Linear for m in fast.hf.modules())
+    seg = Segments.build([(0, 6, 0), (1, 3, 0)])
+    tokens = torch.tensor([3, 9, 4, 1, 7, 2, 8, 8, 5])
+    got = fast.forward(tokens, seg, fast.allocate_cache(2, 16), logits_rows=[5, 8])  # [2, V]
+    want = plain.forward(tokens, seg, plain.allocate_cache(2, 16), logits_rows=[5, 8])
+    assert got.shape == want.shape == (2, fast.spec.vocab_size)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert run(fast, 3) == run(plain, 3)

@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from . import cpu_decoder
 from .attention import AttentionPlan, attention
 from .cache import KVCache
 from .segments import Segments
@@ -43,8 +44,8 @@ class PackedPass:
     the output is zeros (the probe reads shapes, not values).
     """
 
-    def __init__(self, seg: Segments, cache: KVCache | None, kernels=None):
-        self.seg, self.cache, self.kernels = seg, cache, kernels
+    def __init__(self, seg: Segments, cache: KVCache | None, kernels=None, cpu_lib=None):
+        self.seg, self.cache, self.kernels, self.cpu_lib = seg, cache, kernels, cpu_lib
         self.layers: list[int] = []  # layer index of each call, in call order
         self.kv_shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # layer -> K, V [heads, dim]
         self.features: set[str] = set()  # what the calls asked for beyond plain causal attention
@@ -113,6 +114,9 @@ class PackedPass:
             self.kernels.kv_write(cache.k[layer], cache.v[layer], token_slots, positions, k, v)
             return self.kernels.varlen_attention(q.contiguous(), cache.k[layer], cache.v[layer], slots, starts,
                                                  cache_lens, longest)
+        if self.cpu_lib is not None and cpu_decoder.attention_applies(self.cpu_lib, q.dtype, q.shape[1], k.shape[1], D):
+            return cpu_decoder.attention(self.cpu_lib, q.contiguous(), k.contiguous(), v.contiguous(), cache.k[layer],
+                                         cache.v[layer], self.seg.token_slots, self.seg.positions)
         cache.write(layer, self.rows(), k, v)
         return attention(q.contiguous(), cache.k[layer], cache.v[layer], self.seg, self.plan(q.shape[1] // k.shape[1],
                                                                                           q.dtype))

@@ -25,8 +25,9 @@ from .cache import KVCache
 from .execution import Execution
 from .hf_arch import (ProbeResult, config_problem, context_problem, first_line, load_config, model_class_problem,
                       num_layers_of, position_limit, probe, probe_result)
+from . import cpu_decoder
 from .hf_attention import ATTN_IMPLEMENTATION, STATE_KWARG, PackedPass, register
-from .llama import triton_kernels
+from .llama import Linear, triton_kernels
 from .segments import Segments
 from .spec import CheckpointError, UnsupportedModelError
 
@@ -66,6 +67,11 @@ class TransformersModel:
         self.kernels = triton_kernels(self.execution)
         self._keeps_rows = "logits_to_keep" in inspect.signature(hf.forward).parameters
         self._layers = _layer_list(hf, spec.num_layers)
+        # On CPU (unless the job asks for torch's path): the C kernels the native decoder uses, for every
+        # nn.Linear (panel GEMMs, or oneDNN's prepacked ones) and for plain causal attention (KV write + attend).
+        on_c = self.device.type == "cpu" and self.kernels is None and self.execution.cpu != "torch"
+        self.cpu_lib = cpu_decoder.library() if on_c else None
+        self.c_linears = swap_linears(hf) if self.cpu_lib is not None else 0
 
     # -- construction -------------------------------------------------------------------
 
@@ -116,7 +122,8 @@ class TransformersModel:
             "backend": BACKEND,
             "transformers": __version__,
             "model_class": type(self.hf).__name__,
-            "attention": "triton" if self.kernels is not None else "torch",
+            "attention": "triton" if self.kernels is not None else "c" if self.cpu_lib is not None else "torch",
+            "c_linears": self.c_linears,
             "attention_features": sorted(self.features),
             **self.execution.describe(),
         }
@@ -142,7 +149,7 @@ class TransformersModel:
     ) -> torch.Tensor:
         """Returns logits [M, V] in float32 (M = N when logits_rows is None)."""
         layers = num_layers or self.spec.num_layers
-        state = PackedPass(seg, cache, self.kernels)
+        state = PackedPass(seg, cache, self.kernels, self.cpu_lib)
         rows = None if logits_rows is None else torch.as_tensor(logits_rows, dtype=torch.long, device=self.device)
         keep = {"logits_to_keep": 0 if rows is None else rows} if self._keeps_rows else {}
         with self._first_layers(layers):
@@ -183,6 +190,33 @@ def _layer_list(hf, num_layers: int):
                     any(hasattr(m, "layer_idx") for m in layer.modules()) for layer in child):
                 found.append((owner, name, child))
     return found[0] if len(found) == 1 else None
+
+
+class CpuLinear(torch.nn.Module):
+    """An nn.Linear's weight and bias on our CPU GEMM (llama.Linear: the panel GEMM of cpu_decoder.c, or
+    oneDNN's prepacked one): x [..., in] -> [..., out], each row's result independent of the batch."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.linear = Linear(linear.weight.detach(), bias, panel=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x.reshape(-1, self.in_features))  # [rows, out]
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def swap_linears(hf) -> int:
+    """Every plain nn.Linear of the model replaced by a CpuLinear (its weight repacked once; the original
+    freed unless tied elsewhere, as a tied LM head's embedding is). Returns how many were replaced."""
+    swapped = 0
+    for owner in list(hf.modules()):
+        for name, child in list(owner.named_children()):
+            if type(child) is torch.nn.Linear and child.weight.dtype in (torch.float32, torch.bfloat16):
+                setattr(owner, name, CpuLinear(child))
+                swapped += 1
+    return swapped
 
 
 def _vocab_size(hf, config) -> int:
