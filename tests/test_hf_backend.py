@@ -27,8 +27,10 @@ from spin_batch.models.spec import CheckpointError, UnsupportedModelError
 from spin_batch.records import Completion, Request
 from spin_batch.sampling import SamplingParams
 from spin_batch.selection.fixed import FixedDrafter, NoSpeculation
-from spin_batch.selection.policy import Choice, Policy
+from spin_batch.selection.policy import Policy
 from spin_batch.stats import RunStats
+
+from conftest import Cycle
 
 V = 96  # vocabulary of every tiny model here
 MAX_TOKENS = 10
@@ -170,18 +172,6 @@ def test_packed_forward_equals_whole_sequence_logits(folders):
 
 
 # -- speculative greedy equals autoregressive ----------------------------------------------------------
-
-
-class Cycle(Policy):
-    """Drafts at every step: drafter and gamma (1..4) vary by slot and step."""
-
-    def __init__(self, names: list[str]):
-        self.names, self.t = names, 0
-
-    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
-        self.t += 1
-        return [Choice(self.names[(s + self.t) % len(self.names)], min(1 + (s + self.t) % 4, cap)) if cap else
-                Choice(None, 0) for s, cap in zip(slots, caps)]
 
 
 @pytest.fixture(scope="module")
