@@ -12,14 +12,7 @@ from spin_batch.engine.tree_verify import (
 )
 from spin_batch.sampling import GREEDY, SamplingParams, probs_from_logits
 
-V = 8
-
-
-def one_hot_logits(tokens: list[int]) -> torch.Tensor:
-    """Rows whose argmax is the given token."""
-    x = torch.zeros(len(tokens), V)
-    x[torch.arange(len(tokens)), torch.tensor(tokens)] = 5.0
-    return x
+from test_verify import V, one_hot_logits
 
 
 # -- the representation ----------------------------------------------------------------------
