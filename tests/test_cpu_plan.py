@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,19 @@ def test_bfloat16_runs_where_onednn_refuses_it(tmp_path, tiny_dir, path):
     if path == "c" and os.uname().machine == "x86_64":
         assert summary["backends"]["target"]["c_build"] == {"march": "x86-64-v3", "isa": "avx2",
                                                             "bf16_gemm": "widened to float32"}
+
+
+def test_candidates_are_timed_in_alternation():
+    """A slow spell of the machine must hit every candidate alike: their calls alternate (a b, b a, ...)
+    after one warm-up call each, and each gets its own best time."""
+    calls = []
+
+    def fake(name: str, seconds: float):
+        def run():
+            calls.append(name)
+            time.sleep(seconds)
+        return run
+
+    ms = cpu_plan.best_ms({"c": fake("c", 0.002), "torch": fake("torch", 0.0)}, reps=4)
+    assert calls == ["c", "torch"] + ["c", "torch", "torch", "c"] * 2
+    assert ms["c"] >= 2.0 > ms["torch"]

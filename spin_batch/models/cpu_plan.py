@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -135,14 +136,20 @@ def _random(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32).uniform_(-0.05, 0.05).to(dtype)
 
 
-def _best_ms(fn, reps: int = REPS) -> float:
-    fn()  # warm: first-touch of buffers, oneDNN's primitive cache
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
+def best_ms(fns: dict[str, Callable[[], object]], reps: int = REPS) -> dict[str, float]:
+    """Each candidate's best time of `reps` calls, in milliseconds. The candidates' calls alternate
+    (a b, b a, a b, ...), so a slow spell of a shared machine hits them alike instead of whichever
+    candidate it happened to fall on."""
+    for fn in fns.values():
+        fn()  # warm: first-touch of buffers, oneDNN's primitive cache
+    best = {name: float("inf") for name in fns}
+    order = list(fns)
+    for rep in range(reps):
+        for name in order if rep % 2 == 0 else order[::-1]:
+            t = time.perf_counter()
+            fns[name]()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return {name: b * 1e3 for name, b in best.items()}
 
 
 def _time_layers(spec, dtype: torch.dtype, loop, candidates) -> dict[str, float]:
@@ -167,10 +174,12 @@ def _time_layers(spec, dtype: torch.dtype, loop, candidates) -> dict[str, float]
     for slots, n in loop:
         seg = Segments(list(range(slots)), [i * n for i in range(slots + 1)], [CONTEXT] * slots)
         tokens = torch.arange(slots * n) % 64
-        for cand, model in models.items():
-            cache = model.allocate_cache(slots, CONTEXT + n)
-            with torch.inference_mode():
-                out[cand] += _best_ms(lambda: model.hidden(tokens, seg, cache, 1))
+        caches = {cand: model.allocate_cache(slots, CONTEXT + n) for cand, model in models.items()}
+        with torch.inference_mode():
+            ms = best_ms({cand: (lambda m=model, c=caches[cand]: m.hidden(tokens, seg, c, 1))
+                          for cand, model in models.items()})
+        for cand, v in ms.items():
+            out[cand] += v
     return out
 
 
@@ -179,10 +188,11 @@ def _time_head(spec, dtype: torch.dtype, loop) -> dict[str, float]:
 
     w = _random(spec.vocab_size, spec.hidden_size, dtype=dtype)
     xs = [_random(s * n, spec.hidden_size, dtype=dtype) for s, n in loop]
-    out = {}
-    for cand in ("c", "torch"):
-        head = Linear(w, panel=cand == "c")
-        if cand == "c" and head.panel is None:
-            continue
-        out[cand] = sum(_best_ms(lambda x=x: head(x)) for x in xs)
+    heads = {cand: Linear(w, panel=cand == "c") for cand in ("c", "torch")}
+    if heads["c"].panel is None:  # no C build for this dtype here
+        del heads["c"]
+    out = {cand: 0.0 for cand in heads}
+    for x in xs:
+        for cand, v in best_ms({cand: (lambda h=h: h(x)) for cand, h in heads.items()}).items():
+            out[cand] += v
     return out
