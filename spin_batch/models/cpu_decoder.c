@@ -595,6 +595,80 @@ int spin_attention(const void *q, int64_t q_rs, const void *k_new, int64_t k_rs,
     return 0;
 }
 
+/* ---- Token trees (opt-in: spin_attention_tree) -------------------------------------------------------
+ *
+ * A tree segment's token i sits at cache row cache_len + i (pos[i]) and attends rows [0, cache_len) plus
+ * its ancestors and itself: anc[i] bit j is whether row cache_len + j is one of them (bit i, itself, is its
+ * highest bit, since a parent precedes its children; so cache_len = pos[i] - i). anc[i] == 0 marks an
+ * ordinary row, which attends keys 0..pos[i] through attend_any as in spin_attention. Trees are small (at
+ * most 64 tokens), so a tree query runs alone: scores of its keys, their maximum, e^(s - max), the sum. */
+
+static inline float elem(const char *p, int64_t i, int es) {
+    return es == 4 ? ((const float *)p)[i] : bf16_to_float(((const uint16_t *)p)[i]);
+}
+
+/* One tree row's G query heads of one KV head; s: scratch for pos + 1 scores. */
+static void attend_tree(const char *q, const char *kc, const char *vc, char *out, int64_t pos, uint64_t anc,
+                        int64_t G, int64_t D, float scale, int es, float *s, int64_t *keys) {
+    int64_t self = 63 - __builtin_clzll(anc), base = pos - self, nk = 0;
+    for (int64_t t = 0; t < base; t++) keys[nk++] = t;
+    for (int64_t j = 0; j <= self; j++)
+        if (anc >> j & 1) keys[nk++] = base + j;
+    for (int64_t g = 0; g < G; g++) {
+        const char *qg = q + g * D * es;
+        float m = -__builtin_inff(), sum = 0.0f, acc[256];
+        for (int64_t u = 0; u < nk; u++) {
+            float d = 0.0f;
+            for (int64_t c = 0; c < D; c++) d += elem(qg, c, es) * scale * elem(kc, keys[u] * D + c, es);
+            s[u] = d;
+            m = d > m ? d : m;
+        }
+        for (int64_t c = 0; c < D; c++) acc[c] = 0.0f;
+        for (int64_t u = 0; u < nk; u++) {
+            float p = expw((vw){0} + (s[u] - m))[0];
+            sum += p;
+            for (int64_t c = 0; c < D; c++) acc[c] += p * elem(vc, keys[u] * D + c, es);
+        }
+        for (int64_t c = 0; c < D; c++) store1(out + g * D * es, c, acc[c] / sum, es);
+    }
+}
+
+/* spin_attention's arguments plus anc [N] (see above). Returns 0, or -1 when out of memory. */
+int spin_attention_tree(const void *q, int64_t q_rs, const void *k_new, int64_t k_rs, const void *v_new, int64_t v_rs,
+                        void *kc, void *vc, void *out, const int64_t *slot, const int64_t *pos, const uint64_t *anc,
+                        int64_t N, int64_t H, int64_t KV, int64_t D, int64_t max_len, int es) {
+    int64_t G = H / KV, head = max_len * D * es, slot_size = KV * head;
+    for (int64_t i = 0; i < N; i++)
+        for (int64_t h = 0; h < KV; h++) {
+            int64_t at = slot[i] * slot_size + h * head + pos[i] * D * es;
+            __builtin_memcpy((char *)kc + at, (const char *)k_new + (i * k_rs + h * D) * es, D * es);
+            __builtin_memcpy((char *)vc + at, (const char *)v_new + (i * v_rs + h * D) * es, D * es);
+        }
+    float scale = 1.0f / __builtin_sqrtf((float)D);
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) if (N * KV > 1)
+    for (int64_t task = 0; task < N * KV; task++) {
+        int64_t i = task / KV, h = task % KV, base = slot[i] * slot_size + h * head;
+        const char *qi = (const char *)q + (i * q_rs + h * G * D) * es;
+        char *oi = (char *)out + (i * H + h * G) * D * es;
+        if (!anc[i]) {
+            attend_any(qi, q_rs, (const char *)kc + base, (const char *)vc + base, oi, H * D, pos + i, 1, G, D,
+                       scale, es);
+            continue;
+        }
+        float *s = (float *)__builtin_malloc((pos[i] + 1) * (sizeof(float) + sizeof(int64_t)));
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        attend_tree(qi, (const char *)kc + base, (const char *)vc + base, oi, pos[i], anc[i], G, D, scale, es, s,
+                    (int64_t *)(s + pos[i] + 1));
+        __builtin_free(s);
+    }
+    return failed ? -1 : 0;
+}
+
 /* ---- The decoder layers in one call ---------------------------------------------------------------
  *
  * For a forward on CPU, every layer's norm, QKV GEMM, rotary embedding, attention, output GEMM, residual
@@ -647,7 +721,7 @@ static inline void add_rows(float *h, const void *y, int64_t N, int64_t C, int64
 static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, const spin_layer_t *layers, int64_t L, const int64_t *slot,
                  const int64_t *pos, const float *cos, const float *sin_signed, int64_t C, int64_t H, int64_t KV,
                  int64_t D, int64_t I, const spin_widths_t *w, int64_t max_len, float eps, int es, char *cache_k,
-                 char *cache_v, int64_t layer_bytes, char *scratch) {
+                 char *cache_v, int64_t layer_bytes, char *scratch, const uint64_t *anc) {
     int64_t QKV = (H + 2 * KV) * D, half = D / 2, widest = C > I ? C : I;
     int64_t qkv_w = w->qkv, gu_w = w->gate_up, Cp = w->out;
     void *xn = scratch;                                     /* [N, max(C, I)] norm output, SiLU output */
@@ -673,8 +747,11 @@ static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, co
                     store1(qkv, at + d, x[d] * cs[d] + x[d < half ? d + half : d - half] * sn[d], es);
             }
         }
-        if (spin_attention((char *)qkv, qkv_w, (char *)qkv + H * D * es, qkv_w, (char *)qkv + (H + KV) * D * es,
-                           qkv_w, cache_k + li * layer_bytes, cache_v + li * layer_bytes, att, slot, pos, N, H, KV, D, max_len, es))
+        char *ck = cache_k + li * layer_bytes, *cv = cache_v + li * layer_bytes;
+        if (anc ? spin_attention_tree((char *)qkv, qkv_w, (char *)qkv + H * D * es, qkv_w, (char *)qkv + (H + KV) * D * es,
+                                      qkv_w, ck, cv, att, slot, pos, anc, N, H, KV, D, max_len, es)
+                : spin_attention((char *)qkv, qkv_w, (char *)qkv + H * D * es, qkv_w, (char *)qkv + (H + KV) * D * es,
+                                 qkv_w, ck, cv, att, slot, pos, N, H, KV, D, max_len, es))
             return -1;
         gemm(att, lw->o, y, N, Cp, H * D, es);
         add_rows(h, y, N, C, Cp, es);
@@ -715,7 +792,17 @@ int spin_decoder(float *h, int64_t N, const spin_layer_t *layers, int64_t L, con
                  char *cache_v, int64_t layer_bytes, char *scratch) {
     if (es == 4)
         return decoder(h, N, layers, L, slot, pos, cos, sin_signed, C, H, KV, D, I, w, max_len, eps, 4, cache_k,
-                       cache_v, layer_bytes, scratch);
+                       cache_v, layer_bytes, scratch, (const uint64_t *)0);
     return decoder(h, N, layers, L, slot, pos, cos, sin_signed, C, H, KV, D, I, w, max_len, eps, 2, cache_k, cache_v,
-                   layer_bytes, scratch);
+                   layer_bytes, scratch, (const uint64_t *)0);
+}
+
+/* spin_decoder with token trees: pos [N] is each row's cache row (cos / sin_signed are already at the
+ * rows' RoPE positions), anc [N] as in spin_attention_tree. Apart from the tree rows, the same arithmetic. */
+int spin_decoder_tree(float *h, int64_t N, const spin_layer_t *layers, int64_t L, const int64_t *slot,
+                      const int64_t *pos, const float *cos, const float *sin_signed, int64_t C, int64_t H, int64_t KV,
+                      int64_t D, int64_t I, const spin_widths_t *w, int64_t max_len, float eps, int es, char *cache_k,
+                      char *cache_v, int64_t layer_bytes, char *scratch, const uint64_t *anc) {
+    return decoder(h, N, layers, L, slot, pos, cos, sin_signed, C, H, KV, D, I, w, max_len, eps, es, cache_k, cache_v,
+                   layer_bytes, scratch, anc);
 }

@@ -177,6 +177,10 @@ def _load() -> None:
                                      + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 2
                                      + [ctypes.c_int64, ctypes.c_void_p])
         lib.spin_decoder.restype = ctypes.c_int
+        lib.spin_attention_tree.argtypes = lib.spin_attention.argtypes[:11] + [ctypes.c_void_p] + lib.spin_attention.argtypes[11:]
+        lib.spin_attention_tree.restype = ctypes.c_int
+        lib.spin_decoder_tree.argtypes = lib.spin_decoder.argtypes + [ctypes.c_void_p]
+        lib.spin_decoder_tree.restype = ctypes.c_int
         lib.spin_decoder_scratch.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int]
         lib.spin_decoder_scratch.restype = ctypes.c_int64
         lib.spin_isa.restype = ctypes.c_char_p
@@ -287,9 +291,13 @@ def attention_applies(lib: ctypes.CDLL, dtype: torch.dtype, heads: int, kv_heads
 
 
 def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
-              cache_v: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+              cache_v: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor,
+              anc: torch.Tensor | None = None) -> torch.Tensor:
     """Writes k, v [N, KV, D] into one layer's cache [slots, KV, max_len, D] at (slot, pos) per row,
-    then returns every row's attention [N, H, D] over its slot's keys 0..pos (q [N, H, D])."""
+    then returns every row's attention [N, H, D] over its slot's keys 0..pos (q [N, H, D]).
+
+    anc [N] int64 (token trees, opt-in): 0 for an ordinary row; for token i of a tree segment, bit j set
+    for each of its ancestors j and itself (tree_bits), so it attends keys [0, pos - i) and those."""
     N, H, D = q.shape
     KV, max_len = cache_k.shape[1], cache_k.shape[2]
     for t in (q, k, v):
@@ -299,12 +307,40 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         raise ValueError("spin_attention: the cache must be contiguous")
     if not all(t.dtype == torch.long and t.is_contiguous() and t.shape == (N,) for t in (slot, pos)):
         raise ValueError("spin_attention: slot and pos must be [N] contiguous int64")
+    _check_anc(anc, N, "spin_attention")
     out = torch.empty(N, H, D, dtype=q.dtype)
-    if N and lib.spin_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                           cache_k.data_ptr(), cache_v.data_ptr(), out.data_ptr(), slot.data_ptr(), pos.data_ptr(),
-                           N, H, KV, D, max_len, ATTENTION_DTYPES[q.dtype]):
+    args = (q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            cache_k.data_ptr(), cache_v.data_ptr(), out.data_ptr(), slot.data_ptr(), pos.data_ptr())
+    rest = (N, H, KV, D, max_len, ATTENTION_DTYPES[q.dtype])
+    if N and (lib.spin_attention(*args, *rest) if anc is None else lib.spin_attention_tree(*args, anc.data_ptr(), *rest)):
         raise MemoryError("spin_attention: out of memory")
     return out
+
+
+MAX_TREE = 64  # tokens of one tree segment the C attention takes (one uint64 ancestor mask a token)
+
+
+def tree_bits(parents_per_segment, lengths: list[int]) -> torch.Tensor:
+    """[N] int64 for spin_attention_tree: 0 for each token of an ordinary segment (parents None), the
+    ancestor-and-self bitmask for each token of a tree segment (bit j: token j of its segment)."""
+    out: list[int] = []
+    for parents, n in zip(parents_per_segment, lengths):
+        if parents is None:
+            out.extend([0] * n)
+            continue
+        if n > MAX_TREE:
+            raise NotImplementedError(f"the C attention takes token trees of at most {MAX_TREE} tokens; "
+                                      f"this tree segment has {n} (use the torch path: target.kernels: torch)")
+        bits: list[int] = []
+        for i, p in enumerate(parents):
+            bits.append((1 << i) | (bits[p] if p >= 0 else 0))
+        out.extend(b - (1 << 64) if b >> 63 else b for b in bits)  # as int64
+    return torch.tensor(out, dtype=torch.long)
+
+
+def _check_anc(anc: torch.Tensor | None, N: int, what: str) -> None:
+    if anc is not None and not (anc.dtype == torch.long and anc.is_contiguous() and anc.shape == (N,)):
+        raise ValueError(f"{what}: anc must be [N] contiguous int64")
 
 
 class _Layer(ctypes.Structure):
@@ -362,9 +398,11 @@ class Decoder:
         return True
 
     def __call__(self, h: torch.Tensor, num_layers: int, slot: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
-                 sin_signed: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+                 sin_signed: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                 anc: torch.Tensor | None = None) -> torch.Tensor:
         """Runs layers 0..num_layers-1 on the float32 residual h [N, C] in place and returns it. cos and
-        sin_signed are [N, D] float32 per row; cache_k / cache_v [layers, slots, KV, max_len, D]."""
+        sin_signed are [N, D] float32 per row; cache_k / cache_v [layers, slots, KV, max_len, D]; pos is
+        each row's cache row; anc [N] (token trees, opt-in) as in attention()."""
         N, C = h.shape
         if not (h.dtype == torch.float32 and h.is_contiguous() and cache_k.is_contiguous() and cache_v.is_contiguous()
                 and cache_k.dtype == self.dtype and cos.dtype == sin_signed.dtype == torch.float32
@@ -373,14 +411,15 @@ class Decoder:
             raise ValueError("spin_decoder: unexpected inputs")
         if not all(t.dtype == torch.long and t.is_contiguous() and t.shape == (N,) for t in (slot, pos)):
             raise ValueError("spin_decoder: slot and pos must be [N] contiguous int64")
+        _check_anc(anc, N, "spin_decoder")
         if N == 0:
             return h
         scratch = torch.empty(self.lib.spin_decoder_scratch(N, C, self.H, self.D, self.I, ctypes.byref(self.widths),
                                                             self.es), dtype=torch.uint8)
         layer_bytes = cache_k.stride(0) * cache_k.element_size()
-        if self.lib.spin_decoder(h.data_ptr(), N, self.layers, num_layers, slot.data_ptr(), pos.data_ptr(),
-                                 cos.data_ptr(), sin_signed.data_ptr(), C, self.H, self.KV, self.D, self.I,
-                                 ctypes.byref(self.widths), cache_k.shape[3], self.eps, self.es, cache_k.data_ptr(), cache_v.data_ptr(),
-                                 layer_bytes, scratch.data_ptr()):
+        args = (h.data_ptr(), N, self.layers, num_layers, slot.data_ptr(), pos.data_ptr(), cos.data_ptr(),
+                sin_signed.data_ptr(), C, self.H, self.KV, self.D, self.I, ctypes.byref(self.widths), cache_k.shape[3],
+                self.eps, self.es, cache_k.data_ptr(), cache_v.data_ptr(), layer_bytes, scratch.data_ptr())
+        if self.lib.spin_decoder(*args) if anc is None else self.lib.spin_decoder_tree(*args, anc.data_ptr()):
             raise MemoryError("spin_decoder: out of memory")
         return h

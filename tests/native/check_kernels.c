@@ -3,7 +3,8 @@
  *   cc -O2 -march=... -fopenmp tests/native/check_kernels.c -o check -lm && ./check
  * It checks the float32 and bfloat16 GEMMs against a double reference, that a row's result is bitwise
  * the same alone and inside a batch (M = 1 vs M = 13), the RMS norm, and attention against a double
- * reference and alone vs inside a verify run. Prints "kernels check (<isa>): N passed, M failed". */
+ * reference and alone vs inside a verify run, and tree attention (spin_attention_tree) against a double
+ * reference. Prints "kernels check (<isa>): N passed, M failed". */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -124,12 +125,57 @@ static void attention(void) {
     check(rc == 0 && !memcmp(one, out, sizeof one), "attention: a row alone equals the row in a verify run");
 }
 
+/* A 64-token binary tree over a 40-row prefix (bit 63 in use) against a double reference over the prefix
+ * plus each token's ancestors and itself; then ordinary rows (anc 0) through spin_attention_tree, bitwise
+ * as through spin_attention. */
+static void tree_attention(void) {
+    enum { H = 6, KV = 2, D = 64, L = 128, N = 64, CTX = 40 };
+    static float kc[KV * L * D], vc[KV * L * D], q[N * H * D], kn[N * KV * D], vn[N * KV * D], out[N * H * D],
+        ref[N * H * D];
+    int64_t slot[N], pos[N];
+    uint64_t anc[N], plain[N];
+    for (int i = 0; i < KV * L * D; i++) kc[i] = rnd(), vc[i] = rnd();
+    for (int i = 0; i < N * H * D; i++) q[i] = rnd();
+    for (int i = 0; i < N * KV * D; i++) kn[i] = rnd(), vn[i] = rnd();
+    for (int i = 0; i < N; i++) {
+        slot[i] = 0, pos[i] = CTX + i, plain[i] = 0;
+        anc[i] = (1ull << i) | (i ? anc[(i - 1) / 2] : 0);
+    }
+    int rc = spin_attention_tree(q, H * D, kn, KV * D, vn, KV * D, kc, vc, out, slot, pos, anc, N, H, KV, D, L, 4);
+    int ok = rc == 0;
+    for (int i = 0; i < N && ok; i++)
+        for (int h = 0; h < H; h++) {
+            int g = h / (H / KV);
+            double s[L], mx = -1e300, sum = 0;
+            int keys[L], nk = 0;
+            for (int t = 0; t < CTX + N; t++)
+                if (t < CTX || (t <= pos[i] && (anc[i] >> (t - CTX) & 1))) keys[nk++] = t;
+            for (int u = 0; u < nk; u++) {
+                double d = 0;
+                for (int j = 0; j < D; j++) d += (double)q[(i * H + h) * D + j] * kc[(g * L + keys[u]) * D + j];
+                s[u] = d / sqrt((double)D);
+                mx = s[u] > mx ? s[u] : mx;
+            }
+            for (int u = 0; u < nk; u++) s[u] = exp(s[u] - mx), sum += s[u];
+            for (int j = 0; j < D; j++) {
+                double o = 0;
+                for (int u = 0; u < nk; u++) o += s[u] / sum * vc[(g * L + keys[u]) * D + j];
+                if (fabs(out[(i * H + h) * D + j] - o) > 1e-5) ok = 0;
+            }
+        }
+    check(ok, "tree attention matches the double reference (prefix plus ancestors)");
+    rc = spin_attention_tree(q, H * D, kn, KV * D, vn, KV * D, kc, vc, out, slot, pos, plain, 4, H, KV, D, L, 4);
+    rc |= spin_attention(q, H * D, kn, KV * D, vn, KV * D, kc, vc, ref, slot, pos, 1, H, KV, D, L, 4);
+    check(rc == 0 && !memcmp(out, ref, H * D * sizeof(float)), "tree attention: an ordinary row as in spin_attention");
+}
+
 int main(void) {
     srand(1);
     gemm_f32();
     gemm_bf16();
     norm();
     attention();
+    tree_attention();
     printf("kernels check (%s, bfloat16 %s): %d passed, %d failed\n", spin_isa(),
            spin_gemm_bf16_native() ? "dot products" : "widened", passed, failed);
     return failed != 0;
