@@ -1,4 +1,4 @@
-"""Token-tree segments in the packed forward, torch path (a building block of issue 33, not yet run by the loop).
+"""Token-tree segments in the packed forward, torch and C paths (a building block of issue 33, not yet run by the loop).
 
 Every node of a tree verified in one forward must get the logits of a plain forward of its root-to-node path;
 after KVCache.keep_path, a plain decode step continuing the accepted path must get the logits of a plain forward
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spin_batch.models import execution
+from spin_batch.models import cpu_decoder, execution
 from spin_batch.models.attention import AttentionPlan, attention, attention_ref
 from spin_batch.models.loader import load_model
 from spin_batch.models.segments import Segments, ancestor_mask, tree_depths
@@ -179,17 +179,80 @@ def test_wrong_tree_mask_is_caught(model, monkeypatch):
     assert flat.worst_node_error(model, flat.run(model)) > 1e-2
 
 
-def test_c_and_triton_paths_refuse_trees(tiny_dir, model):
+def test_triton_path_refuses_trees(tiny_dir, model):
     batch = Batch(model, TREE)
-    c_model = load_model(tiny_dir, plan=execution.forced("c"))
-    if not c_model.c_attention:
-        pytest.skip("the C attention does not build or apply here")
-    with pytest.raises(NotImplementedError, match="torch path only"):
-        batch.run(c_model)
     triton_like = load_model(tiny_dir, plan=execution.forced("torch"))
     triton_like.kernels = object()  # a model on the Triton kernels (never reached: the guard comes first)
-    with pytest.raises(NotImplementedError, match="torch path only"):
+    with pytest.raises(NotImplementedError, match="Triton"):
         batch.run(triton_like)
+
+
+# -- the C attention and the fused C decoder (cpu_decoder.c: spin_attention_tree) -------------------
+
+# (plan, model, dtype): the fused C decoder and torch layers with the C attention; the qwen2 model has one
+# KV head and a QKV bias; bfloat16 runs the tree attention's bfloat16 loads and stores
+C_MODELS = [("c", "llama", "float32"), ("torch+c_attention", "llama", "float32"), ("c", "qwen2", "bfloat16"),
+            ("torch+c_attention", "qwen2", "float32")]
+
+
+@pytest.fixture(scope="module", params=C_MODELS, ids=lambda p: "-".join(p))
+def c_model(request, tiny_dir, tiny_qwen_dir):
+    plan, which, dtype = request.param
+    m = load_model(tiny_qwen_dir if which == "qwen2" else tiny_dir, dtype, torch.device("cpu"),
+                   plan=execution.forced(plan))
+    if not m.c_attention or (plan == "c" and m.c_decoder is None):
+        pytest.skip(f"the {plan} path does not build or apply here")
+    return m
+
+
+def test_c_attention_matches_reference_with_trees():
+    """spin_attention_tree against attention_ref: a mixed batch with a 64-token tree (bit 63 in use)."""
+    lib = cpu_decoder.library()
+    if lib is None:
+        pytest.skip(cpu_decoder.unavailable_reason())
+    g = torch.Generator().manual_seed(5)
+    big = [-1] + [(k - 1) // 2 for k in range(1, 64)]  # a binary tree of 64 tokens
+    parts = [(0, 1, 10), (1, len(TREE), 3), (2, 20, 0), (3, len(big), 5), (4, len(WIDE), 2)]
+    parents = [None, TREE, None, big, WIDE]
+    seg = Segments.build(parts, parents=parents)
+    H, KV, D = 4, 2, 16
+    q, k, v = (torch.randn(seg.num_tokens, n, D, generator=g) for n in (H, KV, KV))
+    ck, cv = torch.randn(5, KV, 80, D, generator=g), torch.randn(5, KV, 80, D, generator=g)
+    anc = cpu_decoder.tree_bits(parents, seg.lengths())
+    out = cpu_decoder.attention(lib, q, k, v, ck, cv, seg.token_slots, seg.rows, anc)
+    rows = seg.rows
+    assert torch.equal(ck[seg.token_slots, :, rows], k) and torch.equal(cv[seg.token_slots, :, rows], v)
+    torch.testing.assert_close(out, attention_ref(q, ck, cv, seg), atol=1e-5, rtol=0)
+    causal = cpu_decoder.attention(lib, q, k, v, ck, cv, seg.token_slots, seg.rows)  # no mask: plain causal
+    assert (causal - out).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("parents", [TREE, WIDE, [-1, 0, 1, 2]], ids=["tree", "wide", "chain"])
+def test_c_tree_forward_matches_each_root_to_node_path(c_model, parents):
+    batch = Batch(c_model, parents)
+    logits = batch.run(c_model)
+    assert batch.worst_node_error(c_model, logits) < ATOL
+    for slot, row in ((0, 2), (3, len(logits) - 1)):
+        torch.testing.assert_close(logits[row], plain_last_logits(c_model, batch.others[slot]), atol=ATOL, rtol=0)
+
+
+def test_c_wrong_tree_mask_is_caught(c_model, monkeypatch):
+    """With the masks of a plain causal run (positions still depths) the path comparison fails widely."""
+    def causal_bits(parents_per_segment, lengths):
+        return torch.tensor(sum(([0] * n if p is None else [(2 << i) - 1 for i in range(n)]
+                                 for p, n in zip(parents_per_segment, lengths)), []), dtype=torch.long)
+
+    batch = Batch(c_model, TREE)
+    monkeypatch.setattr(cpu_decoder, "tree_bits", causal_bits)
+    assert batch.worst_node_error(c_model, batch.run(c_model)) > 1e-2
+
+
+def test_c_refuses_trees_over_64_tokens(c_model):
+    chain = list(range(-1, 64))  # 65 tokens
+    seg = Segments.build([(0, len(chain), 0)], parents=[chain])
+    cache = c_model.allocate_cache(slots=1, max_len=80)
+    with pytest.raises(NotImplementedError, match="at most 64"):
+        c_model.forward(torch.zeros(len(chain), dtype=torch.long), seg, cache)
 
 
 # -- keeping the accepted path ---------------------------------------------------------------------

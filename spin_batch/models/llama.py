@@ -307,14 +307,14 @@ class LlamaModel:
         """
         s = self.spec
         layers = num_layers or s.num_layers
-        if seg.has_trees and (self.kernels or self.c_attention):
+        if seg.has_trees and self.kernels:
             raise NotImplementedError(
-                "token-tree segments run on the torch path only (target.kernels: torch, or a model planned "
-                "execution.forced('torch')): the C attention and decoder and the Triton kernels have no tree mask yet")
+                "token-tree segments run on the torch and C paths only (target.kernels: torch or c): the Triton "
+                "kernels have no tree mask yet")
         if self.c_decoder is not None and not self.kernels:
             h = self._embed(tokens, extra).contiguous()
-            return self.c_decoder(h, layers, seg.token_slots, seg.positions,
-                                  self.cos32[seg.positions], self.sin32_signed[seg.positions], cache.k, cache.v)
+            return self.c_decoder(h, layers, seg.token_slots, seg.rows, self.cos32[seg.positions],
+                                  self.sin32_signed[seg.positions], cache.k, cache.v, _tree_bits(seg))
         if self.kernels:
             if self.graphs is not None:
                 h = self.graphs.hidden(tokens, seg, cache, layers, extra)
@@ -400,12 +400,18 @@ class LlamaModel:
     def _c_attention(self, seg: Segments):
         """C on CPU: KV write and every row's attention in one call per layer (see cpu_decoder.c)."""
         lib = self.cpu_lib
+        anc = _tree_bits(seg)  # None unless a segment is a tree
 
         def attend(li: int, cache: KVCache, q, k, v) -> torch.Tensor:
-            return cpu_decoder.attention(lib, q, k, v, cache.k[li], cache.v[li], seg.token_slots, seg.positions)
+            return cpu_decoder.attention(lib, q, k, v, cache.k[li], cache.v[li], seg.token_slots, seg.rows, anc)
 
         return attend
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: [M, C] -> [M, V] float32."""
         return self.lm_head(self.normed(h, self.norm)).float()
+
+
+def _tree_bits(seg: Segments) -> torch.Tensor | None:
+    """[N] int64 ancestor bitmasks for the C attention (cpu_decoder.tree_bits), or None without trees."""
+    return cpu_decoder.tree_bits(seg.parents, seg.lengths()) if seg.has_trees else None
