@@ -138,6 +138,17 @@ def test_greedy_equals_transformers_generate(folders, name):
     assert model.backend()["backend"] == "transformers"
 
 
+def test_token_trees_are_refused_not_written_to_the_wrong_rows(folders):
+    """A tree segment's K/V rows differ from its RoPE positions; this backend writes at the positions,
+    so it refuses trees (the native backend verifies them)."""
+    model = TransformersModel.load(folders["qwen3"], torch.float32, "cpu")
+    cache = model.allocate_cache(1, 16)
+    seg = Segments.build([(0, 3, 4)], parents=[[-1, 0, 0]])
+    with pytest.raises(NotImplementedError, match="token-tree segments run on the native backend only"):
+        model.forward(torch.tensor([1, 2, 3]), seg, cache)
+    model.forward(torch.tensor([1, 2, 3]), Segments.build([(0, 3, 4)]), cache)  # the same tokens as a chain run
+
+
 def test_gemma2_window_and_softcap_change_its_greedy_text(folders, tmp_path):
     """Without its sliding window, or without attention soft-capping, the Gemma 2 model's greedy tokens
     differ: the test above catches either one dropped."""

@@ -263,3 +263,15 @@ def test_the_bound_catches_a_wrong_sibling_q(kind):
     """The rule is exact only when each sibling's q is its law given the earlier siblings."""
     z1, _ = _check(kind, seed=11)
     assert z1 > 2 * SIGMAS, f"the wrong q was off by only {z1:.1f} sigma"
+
+
+def test_a_draft_tree_as_its_verify_segment():
+    """DraftTree's nodes are the verify segment's tokens 1.. (token 0 the root): the segment parents pass
+    Segments' check with the same depths, and a verdict's path maps to the rows KVCache.keep_path takes."""
+    from spin_batch.models.segments import tree_depths, tree_problem
+
+    t = DraftTree([5, 6, 7, 1, 9], [-1, -1, 0, 2, 1])
+    parents = t.segment_parents()
+    assert parents == [-1, 0, 0, 1, 3, 2] and tree_problem(parents, 6) is None
+    assert tree_depths(parents) == [0] + t.depths() == [0, 1, 1, 2, 3, 2]
+    assert TreeVerdict([0, 2, 3], [5, 7, 1, 4]).segment_path() == [1, 3, 4]

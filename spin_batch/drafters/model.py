@@ -81,8 +81,10 @@ class ModelDrafter(Drafter):
     @staticmethod
     def _top_prob(logits: torch.Tensor, reqs: list[DraftRequest]) -> list[float]:
         """Per row, the draft's largest probability: of its greedy pick, or the mode of the q it samples from."""
-        probs = probs_per_row(logits, [r.sp for r in reqs])
         greedy = [i for i, r in enumerate(reqs) if r.sp.greedy]
+        if len(greedy) == len(reqs):  # the common case: no one-hot rows built only to be replaced
+            return logits.float().softmax(-1).max(-1).values.tolist()
+        probs = probs_per_row(logits, [r.sp for r in reqs])  # [M, V]
         if greedy:  # the softmax of a greedy row (its probs_per_row row is one-hot)
             probs[greedy] = logits[greedy].float().softmax(-1)
         return probs.max(-1).values.tolist()

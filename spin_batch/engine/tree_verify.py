@@ -51,6 +51,7 @@ from itertools import accumulate
 
 import torch
 
+from ..models.segments import tree_depths
 from ..sampling import SamplingParams, inverse_cdf, probs_per_row
 from .verify import Uniforms, recovered_probs
 
@@ -89,12 +90,14 @@ class DraftTree:
             out[a + 1].append(i)
         return out
 
+    def segment_parents(self) -> list[int]:
+        """[T + 1] the tree as the verify segment that carries it (Segments' `parents`): token 0 is the
+        root (the last committed token), token 1 + i is node i."""
+        return [-1] + [a + 1 for a in self.parents]
+
     def depths(self) -> list[int]:
         """[T] each node's depth (1: a child of the root), its position past the root."""
-        out: list[int] = []
-        for a in self.parents:
-            out.append(1 if a < 0 else out[a] + 1)
-        return out
+        return tree_depths(self.segment_parents())[1:]
 
     def q(self, node: int) -> torch.Tensor | None:
         return None if self.probs is None else self.probs[node]
@@ -108,6 +111,11 @@ class TreeVerdict:
     @property
     def accepted(self) -> int:
         return len(self.path)
+
+    def segment_path(self) -> list[int]:
+        """The accepted nodes as the verify segment's token indices (node i is token 1 + i), which
+        KVCache.keep_path takes."""
+        return [n + 1 for n in self.path]
 
 
 def without_replacement_probs(q: torch.Tensor, tokens: list[int]) -> list[torch.Tensor]:

@@ -148,6 +148,8 @@ class TransformersModel:
         num_layers: int | None = None,  # the first layers only (early exit); all by default
     ) -> torch.Tensor:
         """Returns logits [M, V] in float32 (M = N when logits_rows is None)."""
+        if seg.has_trees:  # hf_attention writes K/V at seg.positions: a tree's rows would land wrong
+            raise NotImplementedError("token-tree segments run on the native backend only (torch or C paths)")
         layers = num_layers or self.spec.num_layers
         state = PackedPass(seg, cache, self.kernels, self.cpu_lib)
         rows = None if logits_rows is None else torch.as_tensor(logits_rows, dtype=torch.long, device=self.device)
