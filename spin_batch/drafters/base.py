@@ -31,12 +31,25 @@ class DraftRequest:
     # only the draft distributions, never the sampled token, so it keeps sampling exact. 0: off.
     min_prob: float = 0.0
     sp: SamplingParams = GREEDY  # the request's own sampling settings (greedy: argmax, q None)
+    # Token-tree budget: a drafter with `trees` may propose a tree of at most this many nodes, no
+    # deeper than gamma, instead of a chain (0 or 1: a chain). Each node must clear min_prob as a
+    # chain's position does (its path's confidence product), so the floor prices every node.
+    nodes: int = 0
 
 
 @dataclass
 class Proposal:
-    tokens: list[list[int]]  # [S] draft tokens per request, len <= gamma
+    tokens: list[list[int]]  # [S] draft tokens per request (a chain: len <= gamma; a tree: its nodes)
     probs: list[torch.Tensor | None]  # [S] each [len, V] draft distribution q; None: deterministic (one-hot q)
+    # [S] per request, None for a chain, or a tree's parents: node i's parent among the request's nodes
+    # (-1: the root, the last committed token; a parent precedes its children), every node at depth
+    # <= gamma. A tree's q is per node given its earlier siblings (engine/tree_verify.py says which q is
+    # exact); a drafter that picks siblings by rank gives None. None here: every request got a chain.
+    parents: list[list[int] | None] | None = None
+
+    def tree(self, i: int) -> list[int] | None:
+        """Request i's tree parents, or None for a chain."""
+        return None if self.parents is None else self.parents[i]
 
 
 class Drafter(ABC):
@@ -44,6 +57,7 @@ class Drafter(ABC):
 
     kind: str = ""
     gates = False  # honours DraftRequest.min_prob (a drafter that knows its own distribution)
+    trees = False  # may answer DraftRequest.nodes with a token tree (Proposal.parents)
     # A models.distilled.TargetFeatures the loop fills at every target forward, for drafters that read
     # the target's hidden states; None for the others.
     features = None

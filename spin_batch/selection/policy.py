@@ -12,6 +12,7 @@ class Choice:
     drafter: str | None  # None: no speculation this step
     gamma: int  # draft tokens asked for; 0 with drafter None
     min_prob: float = 0.0  # the drafter's confidence floor (DraftRequest.min_prob); 0: draft all gamma
+    nodes: int = 0  # token-tree budget for a drafter that grows trees (DraftRequest.nodes); 0: a chain
 
 
 NO_SPEC = Choice(None, 0)
