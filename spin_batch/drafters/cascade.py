@@ -16,11 +16,17 @@ least 2 tokens" marks the steps where it is likely right, and the model drafts t
 The cascade proposes what one member proposed, with that member's q (None for a lookup), so
 it is exactly as lossless as its members. Members are configured drafters too: the loop admits
 and commits them itself, and a model member catches up on the steps it sat out.
+
+Token trees: the members get the request as it is, tree budget (`nodes`) included, and a member's
+tree is taken with its parents. A tree has "enough tokens" when its depth (longest root-to-leaf
+path) reaches min_tokens: the accepted length a tree can give is its depth, as a chain's is its
+length, so a wide but shallow lookup tree still falls through to the model.
 """
 
 from __future__ import annotations
 
 from .base import Drafter, DraftRequest, Proposal
+from .trie import tree_depth
 
 
 class CascadeDrafter(Drafter):
@@ -35,11 +41,13 @@ class CascadeDrafter(Drafter):
         self.members = members
         self.min_tokens = min_tokens
         self.gates = all(m.gates for m in members.values())  # the floor reaches every member
+        self.trees = any(m.trees for m in members.values())  # a tree when a member can give one
         self.counters = {f"drafted_by.{n}": 0 for n in members}
 
     def propose(self, reqs: list[DraftRequest]) -> Proposal:
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list = [None for _ in reqs]
+        shapes: list[list[int] | None] = [None for _ in reqs]
         open_ = list(range(len(reqs)))
         last = len(self.members) - 1
         for k, (name, member) in enumerate(self.members.items()):
@@ -48,15 +56,17 @@ class CascadeDrafter(Drafter):
             prop = member.propose([reqs[i] for i in open_])
             still = []
             for j, i in enumerate(open_):
-                draft = prop.tokens[j]
-                if len(draft) >= min(self.min_tokens, reqs[i].gamma) or k == last:
-                    tokens[i], probs[i] = draft, prop.probs[j]
+                draft, shape = prop.tokens[j], prop.tree(j)
+                depth = len(draft) if shape is None else tree_depth(shape)
+                if depth >= min(self.min_tokens, reqs[i].gamma) or k == last:
+                    tokens[i], probs[i], shapes[i] = draft, prop.probs[j], shape
                     if draft:
                         self.counters[f"drafted_by.{name}"] += 1
                 else:
                     still.append(i)
             open_ = still
-        return Proposal(tokens, probs)
+        trees = any(s is not None for s in shapes)
+        return Proposal(tokens, probs, shapes if trees else None)
 
     def stats(self) -> dict[str, float]:
         return dict(self.counters)
