@@ -201,7 +201,7 @@ def test_kv_write_rejects_bad_inputs():
         kv_write(ck, ck, idx, idx, k.bfloat16(), k.bfloat16())
     with pytest.raises(ValueError, match=r"\[N, 2, 16\]"):
         kv_write(ck, ck, idx, idx, k[:, :1], k[:, :1])
-    with pytest.raises(ValueError, match="positions"):
+    with pytest.raises(ValueError, match="rows"):
         kv_write(ck, ck, idx, idx[:2], k, k)
     kv_write(ck, ck, idx[:0], idx[:0], k[:0], k[:0])  # no tokens: a no-op
 

@@ -93,6 +93,8 @@ def launches(quick: bool = False):
         ck = torch.empty(2, 2, 128, D, dtype=dtype)
         seg = (torch.zeros(2, **i32), torch.tensor([0, n, 2 * n], **i32), torch.zeros(2, **i32), n)
         out.append(("varlen_attention", "varlen_attention", (q, ck, ck, *seg), {}))
+        tree_mask = torch.zeros(2 * n, dtype=torch.long)  # the HAS_TREE variant (token trees)
+        out.append(("varlen_attention", "varlen_attention", (q, ck, ck, *seg, tree_mask), {}))
     for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32):
         x = torch.empty(3, 3, 64, dtype=dtype)
         c = torch.empty(2, 3, 8, 64, dtype=dtype)

@@ -1,8 +1,9 @@
 """Scatter the new tokens' K/V rows into one layer of the per-slot KV cache.
 
 One program per new token: it reads the token's [KV, D] rows of k and v and writes them at
-(its slot, its position) of the cache. The equivalent of KVCache.write for one layer, without
-the index_put machinery.
+(its slot, its cache row) of the cache. The row is Segments.rows: the token's position, except
+in a token tree, where row cache_len + i holds token i whatever its depth (segments.py). The
+equivalent of KVCache.write for one layer, without the index_put machinery.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ if HAVE_TRITON:
         ck_ptr,  # [slots, KV, max_len, D]
         cv_ptr,  # [slots, KV, max_len, D]
         slots_ptr,  # [N]
-        pos_ptr,  # [N]
+        rows_ptr,  # [N]
         k_ptr,  # [N, KV, D]
         v_ptr,  # [N, KV, D]
         stride_cks, stride_ckh, stride_ckl, stride_ckd,
@@ -35,15 +36,15 @@ if HAVE_TRITON:
     ):
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots_ptr + t).to(tl.int64)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
+        row = tl.load(rows_ptr + t).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         mask = (offs_h[:, None] < KV_HEADS) & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
 
         k = tl.load(k_ptr + t * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
         v = tl.load(v_ptr + t * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
-        ck = ck_ptr + slot * stride_cks + pos * stride_ckl + offs_h[:, None] * stride_ckh + offs_d[None, :] * stride_ckd
-        cv = cv_ptr + slot * stride_cvs + pos * stride_cvl + offs_h[:, None] * stride_cvh + offs_d[None, :] * stride_cvd
+        ck = ck_ptr + slot * stride_cks + row * stride_ckl + offs_h[:, None] * stride_ckh + offs_d[None, :] * stride_ckd
+        cv = cv_ptr + slot * stride_cvs + row * stride_cvl + offs_h[:, None] * stride_cvh + offs_d[None, :] * stride_cvd
         tl.store(ck, k, mask=mask)
         tl.store(cv, v, mask=mask)
 
@@ -51,7 +52,7 @@ else:
     _kv_write_kernel = None
 
 
-def _check_args(cache_k_layer, cache_v_layer, token_slots, positions, k, v) -> None:
+def _check_args(cache_k_layer, cache_v_layer, token_slots, rows, k, v) -> None:
     if cache_k_layer.dim() != 4 or cache_k_layer.shape != cache_v_layer.shape:
         raise ValueError(
             "cache_k_layer/cache_v_layer must both be [slots, KV, max_len, D], "
@@ -69,10 +70,10 @@ def _check_args(cache_k_layer, cache_v_layer, token_slots, positions, k, v) -> N
         )
     dev = cache_k_layer.device
     for name, t in (("cache_v_layer", cache_v_layer), ("k", k), ("v", v), ("token_slots", token_slots),
-                    ("positions", positions)):
+                    ("rows", rows)):
         if t.device != dev:
             raise ValueError(f"{name} is on {t.device} but the cache on {dev}")
-    for name, t in (("token_slots", token_slots), ("positions", positions)):
+    for name, t in (("token_slots", token_slots), ("rows", rows)):
         if t.dtype not in _INDEX_DTYPES or t.dim() != 1 or t.numel() != N:
             raise ValueError(f"{name} must be a 1-D int32/int64 tensor of {N} entries")
         if not t.is_contiguous():
@@ -83,23 +84,23 @@ def kv_write(
     cache_k_layer: torch.Tensor,  # [slots, KV, max_len, D] written in place
     cache_v_layer: torch.Tensor,  # [slots, KV, max_len, D] written in place
     token_slots: torch.Tensor,  # [N] int32/int64: slot of each new token
-    positions: torch.Tensor,  # [N] int32/int64: absolute position of each new token
+    rows: torch.Tensor,  # [N] int32/int64: cache row of each new token (Segments.rows, not its RoPE position)
     k: torch.Tensor,  # [N, KV, D]
     v: torch.Tensor,  # [N, KV, D]
 ) -> None:
-    """cache[slot[t], :, pos[t]] = k[t] (and v) for every token t. No host sync.
+    """cache[slot[t], :, row[t]] = k[t] (and v) for every token t. No host sync.
 
-    Caller's promises (not checked): 0 <= slot < slots, 0 <= pos < max_len, and no two tokens
-    write the same (slot, position).
+    Caller's promises (not checked): 0 <= slot < slots, 0 <= row < max_len, and no two tokens
+    write the same (slot, row).
     """
     require_triton("kv_write")
-    _check_args(cache_k_layer, cache_v_layer, token_slots, positions, k, v)
+    _check_args(cache_k_layer, cache_v_layer, token_slots, rows, k, v)
     N, KV, D = k.shape
     if N == 0:
         return
     kernel = launcher(_kv_write_kernel, k.device)
     kernel[(N,)](
-        cache_k_layer, cache_v_layer, token_slots, positions, k, v,
+        cache_k_layer, cache_v_layer, token_slots, rows, k, v,
         *cache_k_layer.stride(), *cache_v_layer.stride(), *k.stride(), *v.stride(),
         KV_HEADS=KV, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(KV), BLOCK_D=triton.next_power_of_2(D),
         num_warps=1 if KV * D <= 512 else 4,
@@ -110,11 +111,11 @@ def kv_write_ref(
     cache_k_layer: torch.Tensor,  # [slots, KV, max_len, D]
     cache_v_layer: torch.Tensor,  # [slots, KV, max_len, D]
     token_slots: torch.Tensor,  # [N]
-    positions: torch.Tensor,  # [N]
+    rows: torch.Tensor,  # [N]
     k: torch.Tensor,  # [N, KV, D]
     v: torch.Tensor,  # [N, KV, D]
 ) -> None:
     """Torch reference: the same scatter as KVCache.write."""
     # advanced indices split by a slice put the index dimension first: [N, KV, D]
-    cache_k_layer[token_slots.long(), :, positions.long()] = k
-    cache_v_layer[token_slots.long(), :, positions.long()] = v
+    cache_k_layer[token_slots.long(), :, rows.long()] = k
+    cache_v_layer[token_slots.long(), :, rows.long()] = v

@@ -6,6 +6,14 @@ seg_cache_lens[s] positions were there before this forward and whose next n_s po
 this segment's own K/V (written by the caller before the call). Query i of a segment sits at
 absolute position cache_len + i and sees keys at positions <= cache_len + i.
 
+Token trees (segments.py; optional `tree_mask`, a constexpr flag: no cost without it): per flat
+token an int64 ancestor bitmask, bit j set when token j of its segment is an ancestor of the token
+or the token itself (cpu_decoder.tree_bits makes it); 0 for every token of an ordinary segment. A
+token with a nonzero mask sees its slot's keys at rows < cache_len plus those at cache_len + j for
+each bit j set, so a tree segment holds at most 64 tokens. Its keys still end at its own row
+(ancestors precede their descendants), and key 0 stays visible to every row (a cached row, or the
+root, an ancestor of every token), so the loop and its bounds are the causal ones.
+
 Kernel layout: one program per (segment, row block, KV head). The rows of a block are
 (query, head in the GQA group) pairs, so the H / KV query heads that share one KV head are
 computed together and every K/V tile is read once for the whole group. Each program walks its
@@ -36,6 +44,7 @@ if HAVE_TRITON:
         slots_ptr,  # [S]
         starts_ptr,  # [S + 1]
         cache_lens_ptr,  # [S]
+        tree_ptr,  # [N] int64 ancestor bitmasks (0: a causal row); read only when HAS_TREE
         stride_qn, stride_qh, stride_qd,
         stride_ks, stride_kh, stride_kl, stride_kd,
         stride_vs, stride_vh, stride_vl, stride_vd,
@@ -47,6 +56,7 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,  # keys per step
         BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two >= 16
         DOT_FP32: tl.constexpr,  # do both products in fp32 (fp32 inputs, or the interpreter)
+        HAS_TREE: tl.constexpr,  # tree_ptr holds masks (else it is not read)
     ):
         seg = tl.program_id(0)
         row0 = tl.program_id(1) * BLOCK_M
@@ -67,6 +77,9 @@ if HAVE_TRITON:
             q_pos = cache_len + qi  # [BLOCK_M] absolute position: sees keys <= q_pos
             offs_d = tl.arange(0, BLOCK_D)
             d_ok = offs_d < HEAD_DIM
+            if HAS_TREE:
+                bits = tl.load(tree_ptr + start + qi)  # [BLOCK_M] int64: ancestor-and-self bits, 0 if causal
+                in_tree = bits != 0  # [BLOCK_M]
 
             q_ptrs = q_ptr + (start + qi)[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
             q = tl.load(q_ptrs, mask=d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
@@ -99,7 +112,15 @@ if HAVE_TRITON:
                 else:
                     s = tl.dot(q, kt)
                 s = s * qk_scale  # [BLOCK_M, BLOCK_N] fp32
-                s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))  # causal + valid length
+                visible = offs_n[None, :] <= q_pos[:, None]  # [BLOCK_M, BLOCK_N] causal + valid length
+                if HAS_TREE:
+                    # a tree row sees the cached rows and the rows of its bits; the shift is clamped to
+                    # 0..63 (keys outside the segment's rows are decided by the other terms)
+                    j = tl.minimum(tl.maximum(offs_n - cache_len, 0), 63)  # [BLOCK_N] key's index in the segment
+                    ancestor = ((bits[:, None] >> j[None, :]) & 1) != 0  # [BLOCK_M, BLOCK_N]
+                    seen = (offs_n[None, :] < cache_len) | ancestor
+                    visible = visible & (~in_tree[:, None] | seen)
+                s = tl.where(visible, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every row
                 alpha = tl.exp2(m_i - m_new)
                 p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
@@ -130,7 +151,7 @@ def _check_index(name: str, t: torch.Tensor, numel: int, device: torch.device) -
         raise ValueError(f"{name} must be contiguous")
 
 
-def _check_args(q, cache_k, cache_v, seg_slots, seg_starts, seg_cache_lens, max_seg_len) -> None:
+def _check_args(q, cache_k, cache_v, seg_slots, seg_starts, seg_cache_lens, max_seg_len, tree_mask) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [N, H, D], got shape {tuple(q.shape)}")
     if cache_k.dim() != 4 or cache_k.shape != cache_v.shape:
@@ -159,6 +180,10 @@ def _check_args(q, cache_k, cache_v, seg_slots, seg_starts, seg_cache_lens, max_
     _check_index("seg_cache_lens", seg_cache_lens, S, q.device)
     if not isinstance(max_seg_len, int) or max_seg_len < 0:
         raise ValueError(f"max_seg_len must be a non-negative int, got {max_seg_len!r}")
+    if tree_mask is not None:
+        if not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.int64:
+            raise TypeError("tree_mask must be an int64 tensor (one ancestor bitmask per flat token)")
+        _check_index("tree_mask", tree_mask, q.shape[0], q.device)
 
 
 def varlen_attention(
@@ -169,15 +194,19 @@ def varlen_attention(
     seg_starts: torch.Tensor,  # [S + 1] int32/int64: segment offsets in the flat batch
     seg_cache_lens: torch.Tensor,  # [S] int32/int64: tokens in the slot before this forward
     max_seg_len: int,  # >= every segment's length (host int: sizes the grid, no device sync)
+    tree_mask: torch.Tensor | None = None,  # [N] int64 ancestor bitmasks (module docstring), or None: no trees
 ) -> torch.Tensor:  # [N, H, D], q's dtype
-    """Causal attention of each segment's queries over its slot's cache. No host sync.
+    """Causal attention of each segment's queries over its slot's cache (a tree segment's: over its
+    cached rows and its ancestors, per tree_mask). No host sync.
 
     Empty segments are allowed. Caller's promises (not checked, as checking would sync):
     segment lengths <= max_seg_len, cache_len + n <= max_len, starts nondecreasing; rows of q
-    outside every segment are left uninitialised in the output.
+    outside every segment are left uninitialised in the output; with tree_mask, every token of a
+    tree segment (at most 64 tokens) has a nonzero mask that is its tree's (tree_bits), every token
+    of an ordinary segment 0.
     """
     require_triton("varlen_attention")
-    _check_args(q, cache_k, cache_v, seg_slots, seg_starts, seg_cache_lens, max_seg_len)
+    _check_args(q, cache_k, cache_v, seg_slots, seg_starts, seg_cache_lens, max_seg_len, tree_mask)
     N, H, D = q.shape
     KV = cache_k.shape[1]
     group = H // KV
@@ -195,10 +224,11 @@ def varlen_attention(
     grid = (S, triton.cdiv(rows, block_m), KV)
     kernel[grid](
         q, cache_k, cache_v, out,
-        seg_slots, seg_starts, seg_cache_lens,
+        seg_slots, seg_starts, seg_cache_lens, seg_starts if tree_mask is None else tree_mask,
         *q.stride(), *cache_k.stride(), *cache_v.stride(), *out.stride(),
         (1.0 / math.sqrt(D)) * 1.4426950408889634,
         HEAD_DIM=D, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_FP32=dot_fp32,
+        HAS_TREE=tree_mask is not None,
         num_warps=4 if block_m * block_d <= 64 * 64 else 8,
         num_stages=2 if dot_fp32 else 3,  # fp32 tiles are twice the size: keep shared memory < 160 KiB
     )
@@ -213,10 +243,35 @@ def varlen_attention_ref(
     seg_starts: torch.Tensor,  # [S + 1]
     seg_cache_lens: torch.Tensor,  # [S]
     max_seg_len: int,  # unused (kept for the same signature)
+    tree_mask: torch.Tensor | None = None,  # [N] int64, as for varlen_attention
 ) -> torch.Tensor:  # [N, H, D]
-    """Torch reference: the runtime's own attention_ref on the same segment table. Syncs to the host."""
+    """Torch reference: the runtime's own attention_ref on the same segment table, its trees read back
+    from tree_mask (ValueError where a segment's masks are not a tree's). Syncs to the host."""
     from spin_batch.models.attention import attention_ref
     from spin_batch.models.segments import Segments
 
-    seg = Segments(seg_slots.tolist(), seg_starts.tolist(), seg_cache_lens.tolist(), q.device)
+    starts = seg_starts.tolist()
+    parents = None if tree_mask is None else trees_from_mask(tree_mask.tolist(), starts)
+    seg = Segments(seg_slots.tolist(), starts, seg_cache_lens.tolist(), q.device, parents)
     return attention_ref(q, cache_k, cache_v, seg)
+
+
+def trees_from_mask(bits: list[int], starts: list[int]) -> list[list[int] | None]:
+    """[S] per segment: None where its tokens' masks are all 0, else the parents of its tree (each token's
+    parent is its latest ancestor). ValueError where the masks are not exactly that tree's."""
+    from spin_batch.models.segments import ancestor_mask, tree_problem
+
+    out: list[list[int] | None] = []
+    for s, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        seg_bits = [x & ((1 << 64) - 1) for x in bits[a:b]]  # as uint64
+        if not any(seg_bits):
+            out.append(None)
+            continue
+        if b - a > 64:
+            raise ValueError(f"tree_mask: segment {s} has {b - a} tokens; a tree takes at most 64")
+        parents = [max((j for j in range(i) if x >> j & 1), default=-1) for i, x in enumerate(seg_bits)]
+        rows = None if tree_problem(parents, b - a) else ancestor_mask(parents).tolist()
+        if rows is None or any(x != sum(1 << j for j, on in enumerate(r) if on) for x, r in zip(seg_bits, rows)):
+            raise ValueError(f"tree_mask: segment {s}'s masks are not the ancestor-and-self masks of a tree")
+        out.append(parents)
+    return out
