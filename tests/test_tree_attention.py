@@ -1,4 +1,5 @@
-"""Token-tree segments in the packed forward, torch and C paths (a building block of issue 33, not yet run by the loop).
+"""Token-tree segments in the packed forward, torch and C paths (a building block of issue 33, not yet run by the loop;
+the Triton kernels' trees: test_tree_triton.py, which reuses Batch from here).
 
 Every node of a tree verified in one forward must get the logits of a plain forward of its root-to-node path;
 after KVCache.keep_path, a plain decode step continuing the accepted path must get the logits of a plain forward
@@ -177,14 +178,6 @@ def test_wrong_tree_mask_is_caught(model, monkeypatch):
     flat = Batch(model, TREE)
     flat.seg = Segments.build([(0, 3, 4), (1, len(TREE), flat.cache_len), (3, 1, 4)])
     assert flat.worst_node_error(model, flat.run(model)) > 1e-2
-
-
-def test_triton_path_refuses_trees(tiny_dir, model):
-    batch = Batch(model, TREE)
-    triton_like = load_model(tiny_dir, plan=execution.forced("torch"))
-    triton_like.kernels = object()  # a model on the Triton kernels (never reached: the guard comes first)
-    with pytest.raises(NotImplementedError, match="Triton"):
-        batch.run(triton_like)
 
 
 # -- the C attention and the fused C decoder (cpu_decoder.c: spin_attention_tree) -------------------

@@ -329,7 +329,7 @@ def tree_bits(parents_per_segment, lengths: list[int]) -> torch.Tensor:
             out.extend([0] * n)
             continue
         if n > MAX_TREE:
-            raise NotImplementedError(f"the C attention takes token trees of at most {MAX_TREE} tokens; "
+            raise NotImplementedError(f"the C and Triton attention take token trees of at most {MAX_TREE} tokens; "
                                       f"this tree segment has {n} (use the torch path: target.kernels: torch)")
         bits: list[int] = []
         for i, p in enumerate(parents):

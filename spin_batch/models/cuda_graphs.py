@@ -16,7 +16,8 @@ in all): prefill chunks vary too much in shape to repay a capture and already us
 A shape is captured the second time it is seen, so one-off shapes never pay for a capture, and
 at most MAX_GRAPHS shapes per model are kept; past that, new shapes run eagerly. A replay runs
 the same kernels on the same shapes as the eager path, so its output is the same bit for bit
-(tests/test_cuda_graphs.py checks this on a GPU).
+(tests/test_cuda_graphs.py checks this on a GPU). Forwards with a token-tree segment (segments.py)
+are never captured: they run eagerly, with their rows and tree mask.
 
 A model replays graphs where the job's execution (execution.py) has them: by default wherever the
 Triton kernels run on CUDA; SPIN_BATCH_CUDA_GRAPHS=on|off overrides that (loader.resolve_execution).
@@ -60,6 +61,11 @@ class StepGraphs:
     def hidden(self, tokens: torch.Tensor, seg, cache, num_layers: int,
                extra: torch.Tensor | None = None) -> torch.Tensor | None:
         """model.hidden() for this forward from a graph, or None when it should run eagerly."""
+        if seg.has_trees:
+            # A graph's inputs are the token ids and packed_index alone: no cache rows apart from the
+            # positions and no tree mask, so a tree forward replayed from one would write its K/V at
+            # its depths and attend causally. Tree forwards run eagerly (kernel_hidden with the mask).
+            return None
         lens = seg.lengths()
         N, S = seg.num_tokens, seg.num_segments
         longest = max(lens, default=0)

@@ -307,10 +307,6 @@ class LlamaModel:
         """
         s = self.spec
         layers = num_layers or s.num_layers
-        if seg.has_trees and self.kernels:
-            raise NotImplementedError(
-                "token-tree segments run on the torch and C paths only (target.kernels: torch or c): the Triton "
-                "kernels have no tree mask yet")
         if self.c_decoder is not None and not self.kernels:
             h = self._embed(tokens, extra).contiguous()
             return self.c_decoder(h, layers, seg.token_slots, seg.rows, self.cos32[seg.positions],
@@ -320,8 +316,9 @@ class LlamaModel:
                 h = self.graphs.hidden(tokens, seg, cache, layers, extra)
                 if h is not None:
                     return h
+            trees = (seg.rows.to(self.device), _tree_bits(seg).to(self.device)) if seg.has_trees else (None, None)
             return self.kernel_hidden(self._embed(tokens, extra), seg.packed_index().to(self.device),
-                                      max(seg.lengths(), default=0), cache, layers)
+                                      max(seg.lengths(), default=0), cache, layers, *trees)
         attend = self._c_attention(seg) if self.c_attention else self._torch_attention(seg, cache)
         return self._layers(self._embed(tokens, extra), seg.positions, attend, cache, layers)
 
@@ -332,11 +329,13 @@ class LlamaModel:
         longest: int,  # the longest segment (sizes the attention grid)
         cache: KVCache,
         num_layers: int,
+        rows: torch.Tensor | None = None,  # [N] long: Segments.rows with a tree segment, else None (the positions)
+        tree_mask: torch.Tensor | None = None,  # [N] int64: _tree_bits(seg) on the device where rows is given
     ) -> torch.Tensor:
         """The layers on the Triton path: a KV scatter and one varlen attention launch per layer.
 
         Everything here is on the device and sized by N, S and `longest` alone, so models/cuda_graphs.py
-        can capture it for a shape and replay it with new values in the same buffers.
+        can capture it for a shape and replay it with new values in the same buffers (forwards without trees).
         """
         kn = self.kernels
         n = h.shape[0]
@@ -344,10 +343,11 @@ class LlamaModel:
         token_slots, positions = index[:n], index[n : 2 * n]
         table = index[2 * n :]
         slots, starts, cache_lens = table[:S], table[S : 2 * S + 1], table[2 * S + 1 :]
+        write_rows = positions if rows is None else rows
 
         def attend(li: int, cache: KVCache, q, k, v) -> torch.Tensor:
-            kn.kv_write(cache.k[li], cache.v[li], token_slots, positions, k, v)
-            return kn.varlen_attention(q, cache.k[li], cache.v[li], slots, starts, cache_lens, longest)
+            kn.kv_write(cache.k[li], cache.v[li], token_slots, write_rows, k, v)
+            return kn.varlen_attention(q, cache.k[li], cache.v[li], slots, starts, cache_lens, longest, tree_mask)
 
         return self._layers(h, positions, attend, cache, num_layers)
 
@@ -413,5 +413,6 @@ class LlamaModel:
 
 
 def _tree_bits(seg: Segments) -> torch.Tensor | None:
-    """[N] int64 ancestor bitmasks for the C attention (cpu_decoder.tree_bits), or None without trees."""
+    """[N] int64 ancestor bitmasks, on the host, for the C attention and the Triton attention
+    (cpu_decoder.tree_bits), or None without trees."""
     return cpu_decoder.tree_bits(seg.parents, seg.lengths()) if seg.has_trees else None
