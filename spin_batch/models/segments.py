@@ -8,9 +8,9 @@ longest context. Each segment attends to its own slot's cache plus itself (causa
 A segment may instead be a token tree (`parents`, opt-in; a building block for issue 33, not yet
 fed by the batch loop or any drafter): token i of a tree segment is written to its slot's cache at
 row cache_len + i (scratch order), takes RoPE position cache_len + depth(i), and attends to the
-slot's rows [0, cache_len) plus its own ancestors and itself only. The torch attention (attention.py)
-and the C attention and decoder (cpu_decoder.c, trees of at most 64 tokens) honour trees; the Triton
-kernels refuse them (llama.py).
+slot's rows [0, cache_len) plus its own ancestors and itself only. The torch attention (attention.py),
+the C attention and decoder (cpu_decoder.c) and the Triton kernels (spin_kernels, eagerly: no CUDA
+graph) honour trees, the last two trees of at most 64 tokens.
 """
 
 from __future__ import annotations
