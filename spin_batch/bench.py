@@ -15,7 +15,8 @@ Methods (extensible through METHODS):
 - spin: our loop with the SPIN bandit (selector ucb), pipeline as the job resolves it;
   spin-nopipe / spin-pipe force the pipeline off / on; thompson and round_robin likewise;
   spin-nogate turns the drafters' confidence gate off (spin.confidence_gate: false); spin-nobackoff
-  speculates at every step the bandit chooses to (spin.backoff: false).
+  speculates at every step the bandit chooses to (spin.backoff: false); spin-chains drafts chains
+  only (spin.tree_nodes: 0).
 - oracle: a hindsight schedule, then run. From the runs above, each request is given the method
   (a fixed drafter, or no drafting) that cost it the least time, where a request's time is its
   share of each step; then the loop runs once more with every request on its given method.
@@ -50,7 +51,8 @@ from .build import Engine, backends, build_engine, make_encoder
 
 
 SELECTOR_METHODS = {"autoregressive": "none", "spin": "ucb", "spin-nopipe": "ucb", "spin-pipe": "ucb",
-                    "spin-nogate": "ucb", "spin-nobackoff": "ucb", "thompson": "thompson", "round_robin": "round_robin"}
+                    "spin-nogate": "ucb", "spin-nobackoff": "ucb", "spin-chains": "ucb", "thompson": "thompson",
+                    "round_robin": "round_robin"}
 
 
 def default_methods(job: JobConfig) -> list[str]:
@@ -165,8 +167,9 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
             pipeline = {"spin-nopipe": False, "spin-pipe": True}.get(m, job_pipeline)
             gate = job.spin.confidence_gate and m != "spin-nogate"
             backoff = job.spin.backoff and m != "spin-nobackoff"
+            nodes = 0 if m == "spin-chains" else job.spin.tree_nodes
             return run_loop(engine, SELECTOR_METHODS.get(m, m), job.spin.num_speculative_tokens, data, slots, r, m,
-                            pipeline, gate, backoff=backoff)
+                            pipeline, gate, backoff=backoff, tree_nodes=nodes)
 
         for w in range(passes):
             for m in loop_methods:

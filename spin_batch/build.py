@@ -189,7 +189,7 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     cache = target.allocate_cache(job.batch.slots, job.batch.max_model_len)
     drafters = build_drafters(job, target, cache, device)
     policy = make_policy(job.spin.selector, drafters, job.spin.num_speculative_tokens, job.sampling.seed,
-                         job.spin.confidence_gate, backoff=job.spin.backoff)
+                         job.spin.confidence_gate, backoff=job.spin.backoff, tree_nodes=job.spin.tree_nodes)
     loop = BatchLoop(target, tokenizer, loop_settings(job, eos_ids(target_dir, tokenizer), device), policy, drafters,
                      cache, stats)
     return Engine(target_dir, target, tokenizer, loop, time.perf_counter() - t0)

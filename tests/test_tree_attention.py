@@ -1,5 +1,5 @@
-"""Token-tree segments in the packed forward, torch and C paths (a building block of issue 33, not yet run by the loop;
-the Triton kernels' trees: test_tree_triton.py, which reuses Batch from here).
+"""Token-tree segments in the packed forward, torch and C paths (the Triton kernels' trees: test_tree_triton.py, which
+reuses Batch from here; trees through the loop: test_tree_loop.py).
 
 Every node of a tree verified in one forward must get the logits of a plain forward of its root-to-node path;
 after KVCache.keep_path, a plain decode step continuing the accepted path must get the logits of a plain forward
@@ -227,6 +227,18 @@ def test_c_tree_forward_matches_each_root_to_node_path(c_model, parents):
     assert batch.worst_node_error(c_model, logits) < ATOL
     for slot, row in ((0, 2), (3, len(logits) - 1)):
         torch.testing.assert_close(logits[row], plain_last_logits(c_model, batch.others[slot]), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("parents", [TREE, WIDE], ids=["tree", "wide"])
+def test_c_decoder_tree_nodes_are_bitwise_their_paths(c_model, parents):
+    """On the fused C decoder (`c`: every row computed alone) a tree node's attention reads its keys in the
+    order of its root-to-node path, so its logits are bit for bit those of the path decoded in place: what
+    makes greedy tree output the autoregressive output exactly, not only up to rounding."""
+    if c_model.c_decoder is None:
+        pytest.skip("bitwise only on the fused C decoder (its GEMM computes each row alone)")
+    batch = Batch(c_model, parents)
+    logits = batch.run(c_model)
+    assert batch.worst_node_error(c_model, logits) == 0.0
 
 
 def test_c_wrong_tree_mask_is_caught(c_model, monkeypatch):

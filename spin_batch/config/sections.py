@@ -206,6 +206,10 @@ class SpinConfig:
     confidence_gate: bool = True
     # the bandits speculate at a step only while speculating steps measure more goodput than plain ones
     backoff: bool = True
+    # token trees: a drafter that grows trees (model drafters) may propose up to this many draft nodes per
+    # slot and step, verified in one pass; each node must clear the confidence gate's price, so trees
+    # shrink where verified rows are dear (many slots). 0: chains only. At most 63 (64 rows with the root).
+    tree_nodes: int = 16
 
     @classmethod
     def _parse(cls, s: _Section) -> SpinConfig:
@@ -216,6 +220,7 @@ class SpinConfig:
             pipeline=s.take("pipeline", _switch),
             confidence_gate=s.take("confidence_gate", _bool),
             backoff=s.take("backoff", _bool),
+            tree_nodes=s.take("tree_nodes", _int(lo=0, hi=63)),
         )
 
 

@@ -16,11 +16,13 @@ from ..models.distilled import TargetFeatures
 from ..models.llama import LlamaModel
 from ..models.segments import Segments
 from .base import Drafter, DraftRequest, Proposal
+from .tree_growth import TREE_TOP_K, TreeGrowth
 
 
 class ModelDrafter(Drafter):
     kind = "model"
     gates = True
+    trees = True
 
     def __init__(self, name: str, model: LlamaModel, cache: KVCache, num_layers: int | None = None):
         super().__init__(name)
@@ -44,6 +46,23 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, reqs: list[DraftRequest]) -> Proposal:
+        """Chains for the requests with no tree budget, trees (grow_trees) for the others."""
+        tree = [i for i, r in enumerate(reqs) if r.nodes > 1]
+        if not tree:
+            return self._chains(reqs)
+        chain = [i for i, r in enumerate(reqs) if r.nodes <= 1]
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs: list[torch.Tensor | None] = [None for _ in reqs]
+        parents: list[list[int] | None] = [None for _ in reqs]
+        if chain:
+            got = self._chains([reqs[i] for i in chain])
+            for i, d, q in zip(chain, got.tokens, got.probs):
+                tokens[i], probs[i] = d, q
+        for i, t in zip(tree, self.grow_trees([reqs[i] for i in tree])):
+            tokens[i], parents[i] = t.tokens, t.parents
+        return Proposal(tokens, probs, parents)
+
+    def _chains(self, reqs: list[DraftRequest]) -> Proposal:
         drafts: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
         # Round 0 feeds what each slot's cache has not seen; later rounds feed the last draft token.
@@ -53,7 +72,8 @@ class ModelDrafter(Drafter):
         while live:
             seg = Segments.build([(reqs[i].slot, len(feeds[i]), starts[i]) for i in live], self.model.device)
             flat = torch.tensor([t for i in live for t in feeds[i]], dtype=torch.long, device=self.model.device)
-            logits, nxt = self._step(flat, seg, None if extras is None else torch.cat([extras[i] for i in live]))
+            logits, nxt = self._step(flat, seg, None if extras is None else torch.cat([extras[i] for i in live]),
+                                     seg.last_rows())
             top = self._top_prob(logits, [reqs[i] for i in live]) if any(reqs[i].min_prob > 0 for i in live) else None
             keep = []
             for j, i in enumerate(live):
@@ -94,9 +114,70 @@ class ModelDrafter(Drafter):
         starts = [self._start(r) for r in reqs]
         return starts, [r.tokens[s:] for r, s in zip(reqs, starts)], None
 
-    def _step(self, flat: torch.Tensor, seg: Segments, extra: torch.Tensor | None):
-        """One draft forward: logits at each segment's last row, and the next round's extra inputs."""
-        return self.model.forward(flat, seg, self.cache, seg.last_rows(), self.num_layers), None
+    def grow_trees(self, reqs: list[DraftRequest]) -> list[TreeGrowth]:
+        """Each request's draft tree, grown best first (tree_growth.py), one batched draft forward per round.
+
+        Round 0 feeds what each slot's cache has not seen, as a chain proposal does; its last row is
+        the tree's root (the last committed token). Every later round feeds each growing tree whole,
+        root included, as one tree segment written above the root's row (scratch rows the next
+        catch-up overwrites), and reads the logits of the nodes added last. The cache counts the
+        committed tokens only, so nothing needs rolling back.
+        """
+        starts, feeds, extras = self._catch_up(reqs)
+        seg = Segments.build([(r.slot, len(f), s) for r, f, s in zip(reqs, feeds, starts)], self.model.device)
+        flat = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.model.device)
+        logits, out = self._step(flat, seg, None if extras is None else torch.cat(extras), seg.last_rows())
+        for r, s, f in zip(reqs, starts, feeds):
+            self._seen(r, s + len(f), first=True)
+        trees = [TreeGrowth(r.nodes, r.gamma, r.min_prob) for r in reqs]
+        roots = [(s + len(f) - 1, f[-1]) for s, f in zip(starts, feeds)]  # (cache row, token)
+        # the extra input of each fed row (a feature-reading draft): the root's own, and per node its parent's output
+        ins = None if extras is None else [[e[-1:]] for e in extras]
+        outs = None if out is None else [{-1: out[i : i + 1]} for i in range(len(reqs))]
+        self._offer(trees, [[-1] for _ in reqs], logits, reqs)  # the root's children
+        expand = [_advance(t) for t in trees]
+        while live := [i for i, e in enumerate(expand) if e]:
+            if ins is not None:
+                for i in live:
+                    ins[i].extend(outs[i][trees[i].parents[n]] for n in range(len(ins[i]) - 1, len(trees[i].tokens)))
+            seg = Segments.build([(reqs[i].slot, 1 + len(trees[i].tokens), roots[i][0]) for i in live],
+                                 self.model.device, [trees[i].segment_parents() for i in live])
+            flat = torch.tensor([t for i in live for t in [roots[i][1], *trees[i].tokens]], dtype=torch.long,
+                                device=self.model.device)
+            rows = [seg.starts[k] + 1 + n for k, i in enumerate(live) for n in expand[i]]
+            logits, out = self._step(flat, seg, None if ins is None else torch.cat([x for i in live for x in ins[i]]),
+                                     rows)
+            if outs is not None:
+                for j, (i, n) in enumerate((i, n) for i in live for n in expand[i]):
+                    outs[i][n] = out[j : j + 1]
+            self._offer([trees[i] for i in live], [expand[i] for i in live], logits, [reqs[i] for i in live])
+            expand = [_advance(trees[i]) if i in live else [] for i in range(len(reqs))]
+        return trees
+
+    def _offer(self, trees: list[TreeGrowth], expand: list[list[int]], logits: torch.Tensor,
+               reqs: list[DraftRequest]) -> None:
+        """Offer each expanded node's top-k children: logits row j is the j-th expanded node's, in order."""
+        owners = [(t, n, r) for t, e, r in zip(trees, expand, reqs) for n in e]
+        probs = self._probs(logits, [r for _, _, r in owners])  # [M, K]
+        top = probs.topk(min(TREE_TOP_K, probs.shape[-1]), dim=-1)
+        ids = top.indices if self.vocab_ids is None else self.vocab_ids[top.indices]
+        for (t, n, _), toks, ps in zip(owners, ids.tolist(), top.values.tolist()):
+            t.offer(n, list(zip(toks, ps)))
+
+    def _probs(self, logits: torch.Tensor, reqs: list[DraftRequest]) -> torch.Tensor:
+        """[M, K] the draft's distribution per row over its head's ids: a greedy request's softmax, a
+        sampling request's q under its own settings."""
+        if all(r.sp.greedy for r in reqs):
+            return logits.float().softmax(-1)
+        probs = probs_per_row(logits, [r.sp for r in reqs])
+        greedy = [i for i, r in enumerate(reqs) if r.sp.greedy]
+        if greedy:
+            probs[greedy] = logits[greedy].float().softmax(-1)
+        return probs
+
+    def _step(self, flat: torch.Tensor, seg: Segments, extra: torch.Tensor | None, rows: list[int]):
+        """One draft forward: logits at `rows` of the flat batch, and the extra inputs they predict (or None)."""
+        return self.model.forward(flat, seg, self.cache, rows, self.num_layers), None
 
     def _seen(self, req: DraftRequest, end: int, first: bool) -> None:
         """The cache now holds this slot's tokens up to `end` (drafts included; on_commit trims them)."""
@@ -154,10 +235,18 @@ class FeatureDrafter(ModelDrafter):
         gs = [self.features.g[r.slot, s : len(r.tokens) - 1].to(self.model.dtype) for r, s in zip(reqs, starts)]
         return starts, feeds, gs
 
-    def _step(self, flat: torch.Tensor, seg: Segments, extra: torch.Tensor | None):
+    def _step(self, flat: torch.Tensor, seg: Segments, extra: torch.Tensor | None, rows: list[int]):
         h = self.model.hidden(flat, seg, self.cache, extra=extra)
-        return self.head(self.model.normed(h[seg.last_rows()], self.model.norm))  # logits, predicted features
+        return self.head(self.model.normed(h[rows], self.model.norm))  # logits, predicted features
 
     def _seen(self, req: DraftRequest, end: int, first: bool) -> None:
         if first:  # only pairs with the target's own features count: positions < len(tokens) - 1
             self.lens[req.slot] = len(req.tokens) - 1
+
+
+def _advance(t: TreeGrowth) -> list[int]:
+    """Grow the tree by its best candidates until some new node needs expanding (returned) or none is left."""
+    while new := t.grow():
+        if expand := t.to_expand(new):
+            return expand
+    return []

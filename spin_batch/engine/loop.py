@@ -25,6 +25,7 @@ from ..selection.policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
 from ..records import Completion, Request
 from ..sampling import SamplingParams, make_generator
 from .stopping import Stopping, StopRule
+from .tree_verify import DraftTree, accept_trees
 from .verify import Verdict, accept_drafts
 
 
@@ -78,7 +79,8 @@ class Plan:
 
     decode: list[Slot]  # decoding slots, in segment order
     chunks: list[tuple[Slot, int]]  # (slot, chunk length) prefill chunks, after the decode segments
-    drafts: list[list[int]]  # [len(decode)] draft tokens per decoding slot
+    drafts: list[list[int]]  # [len(decode)] draft tokens per decoding slot (a tree: its nodes)
+    trees: list[list[int] | None]  # [len(decode)] a token tree's node parents (DraftTree), None for a chain
     seg: Segments
     flat: torch.Tensor  # [N] token ids
     logits_rows: list[int]  # rows that need logits: every decode row, the last row of finishing chunks
@@ -110,6 +112,8 @@ class BatchLoop:
         # Target-feature buffers of the drafters that read them (one shared buffer, normally).
         self._features = list({id(d.features): d.features for d in self.drafters.values()
                                if d.features is not None}.values())
+        # whether the target's forward verifies token-tree segments (the transformers backend does not)
+        self.tree_segments = getattr(target, "tree_segments", True)
 
     # -- admission ----------------------------------------------------------------------
 
@@ -167,7 +171,7 @@ class BatchLoop:
         proposal, draft_s = self.draft(*groups[0])
         t = _lap(times, "draft", t)
         for i, (mb, mb_choices) in enumerate(groups):
-            plan = self.plan(mb, proposal.tokens, prefill=i == 0)
+            plan = self.plan(mb, proposal.tokens, prefill=i == 0, trees=proposal.parents)
             overlap = self._overlap_begin() if i + 1 < len(groups) else None
             logits = self.verify(plan)
             t = _lap(times, "verify", t)
@@ -199,13 +203,14 @@ class BatchLoop:
         drafts = any(c.drafter is not None and c.gamma > 0 for c in choices)
         if not self.cfg.pipeline or len(decode) < 2 or not drafts:
             return [(decode, choices)]
-        order = sorted(range(len(decode)), key=lambda i: -choices[i].gamma)
+        size = [max(c.gamma, c.nodes) + 1 for c in choices]
+        order = sorted(range(len(decode)), key=lambda i: -size[i])
         halves: list[list[int]] = [[], []]
         load = [0, 0]
         for i in order:
             g = 0 if load[0] <= load[1] else 1
             halves[g].append(i)
-            load[g] += choices[i].gamma + 1
+            load[g] += size[i]
         return [([decode[i] for i in sorted(h)], [choices[i] for i in sorted(h)]) for h in halves]
 
     @property
@@ -231,16 +236,17 @@ class BatchLoop:
 
     def _learn(self, plan: Plan, choices: list[Choice], verdict: Verdict, draft_s: dict[str, float],
                times: dict[str, float]) -> None:
-        outcomes = [Outcome(s.index, c, len(d), k) for s, c, d, k in
-                    zip(plan.decode, choices, plan.drafts, verdict.accepted)]
+        # a tree counts as the chain of its depth: the policy prices chains (accepted of drafted)
+        reach = [_reach(d, t) for d, t in zip(plan.drafts, plan.trees)]
+        outcomes = [Outcome(s.index, c, n, k) for s, c, n, k in zip(plan.decode, choices, reach, verdict.accepted)]
         # Draft positions each drafter ran: the tokens it proposed, plus the position where it stopped
         # short of gamma (no n-gram match, or the confidence gate), which it computed too.
         # One forward advances all of a drafter's live slots, so it ran as many as its deepest slot.
         ran: Counter = Counter()
         forwards: dict[str, int] = {}
-        for c, d in zip(choices, plan.drafts):
+        for c, n in zip(choices, reach):
             if c.drafter is not None and c.gamma > 0:
-                n = min(len(d) + 1, c.gamma)
+                n = min(n + 1, c.gamma)
                 ran[c.drafter] += n
                 forwards[c.drafter] = max(forwards.get(c.drafter, 0), n)
         self.policy.learn(outcomes, StepCosts(dict(times), plan.seg.num_tokens, draft_s, dict(ran), forwards,
@@ -257,22 +263,40 @@ class BatchLoop:
         tokens: list[list[int]] = [[] for _ in decode]
         seconds: dict[str, float] = {}
         probs: list[torch.Tensor | None] = [None for _ in decode]
+        parents: list[list[int] | None] = [None for _ in decode]
         by_drafter: dict[str, list[int]] = {}
         for i, c in enumerate(choices):
             if c.drafter is not None and c.gamma > 0:
                 by_drafter.setdefault(c.drafter, []).append(i)
         for name, idxs in by_drafter.items():
             reqs = [DraftRequest(decode[i].index, decode[i].tokens, choices[i].gamma, decode[i].gen, choices[i].min_prob,
-                                 decode[i].sp) for i in idxs]
+                                 decode[i].sp, self._tree_budget(decode[i], choices[i], self.drafters[name]))
+                    for i in idxs]
             t0 = time.perf_counter()
             prop = self.drafters[name].propose(reqs)
             seconds[name] = time.perf_counter() - t0
-            for i, d, q in zip(idxs, prop.tokens, prop.probs):
-                tokens[i] = d[: choices[i].gamma]
+            for j, (i, r) in enumerate(zip(idxs, reqs)):
+                d, q, tree = prop.tokens[j], prop.probs[j], prop.tree(j)
+                if tree is not None and r.nodes > 1:
+                    # a tree keeps its first `nodes` nodes (parents precede children, so they are a tree)
+                    tokens[i], parents[i] = d[: r.nodes], tree[: r.nodes]
+                else:
+                    tokens[i] = d[: choices[i].gamma]
                 probs[i] = None if q is None else q[: len(tokens[i])]
-        return Proposal(tokens, probs), seconds
+        return Proposal(tokens, probs, parents), seconds
 
-    def plan(self, decode: list[Slot], drafts: list[list[int]], prefill: bool = True) -> Plan:
+    def _tree_budget(self, s: Slot, c: Choice, drafter: Drafter) -> int:
+        """The tree nodes a slot may draft: the choice's budget where drafter and target do trees, within the
+        context (a tree of n nodes needs n cache rows past the committed tokens)."""
+        if c.nodes <= 1 or not drafter.trees or not self.tree_segments:
+            return 0
+        return min(c.nodes, self.cfg.max_model_len - len(s.tokens))
+
+    def plan(self, decode: list[Slot], drafts: list[list[int]], prefill: bool = True,
+             trees: list[list[int] | None] | None = None) -> Plan:
+        """The step's packed verify batch: each decoding slot's last token and drafts (a chain or a tree,
+        one segment), then prefill chunks up to the token budget."""
+        trees = trees if trees is not None else [None for _ in decode]
         parts, flat, rows = [], [], []
         for s, d in zip(decode, drafts):
             n = len(s.tokens)
@@ -293,9 +317,13 @@ class BatchLoop:
             if s.prefilled + n == s.prompt_len:
                 rows.append(len(flat) - 1)
                 finishing.append(s)
-        seg = Segments.build(parts, self.target.device)
+        seg_parents = None
+        if any(t is not None for t in trees):
+            seg_parents = [None if t is None else DraftTree(d, t).segment_parents() for d, t in zip(drafts, trees)]
+            seg_parents += [None for _ in chunks]
+        seg = Segments.build(parts, self.target.device, seg_parents)
         flat_t = torch.tensor(flat, dtype=torch.long, device=self.target.device)
-        return Plan(decode, chunks, drafts, seg, flat_t, rows, finishing)
+        return Plan(decode, chunks, drafts, trees, seg, flat_t, rows, finishing)
 
     def verify(self, plan: Plan) -> torch.Tensor:
         """The step's one packed target forward; logits [len(plan.logits_rows), V]."""
@@ -309,15 +337,32 @@ class BatchLoop:
     def accept(self, plan: Plan, proposal: Proposal, logits: torch.Tensor) -> Verdict:
         """Verdicts for decoding slots, then one per finishing prefill (an empty draft)."""
         drafts = plan.drafts + [[] for _ in plan.finishing]
-        kernels = getattr(self.target, "kernels", None) or None  # the Triton path (CUDA, or forced on)
         probs = proposal.probs + [None for _ in plan.finishing]
         served = plan.decode + plan.finishing
-        return accept_drafts(kernels, logits, drafts, probs, [s.gen for s in served], [s.sp for s in served])
+        gens, sps = [s.gen for s in served], [s.sp for s in served]
+        if any(t is not None for t in plan.trees):
+            return self._accept_trees(plan, drafts, probs, logits, gens, sps)
+        kernels = getattr(self.target, "kernels", None) or None  # the Triton path (CUDA, or forced on)
+        return accept_drafts(kernels, logits, drafts, probs, gens, sps)
+
+    @staticmethod
+    def _accept_trees(plan: Plan, drafts: list[list[int]], probs: list[torch.Tensor | None], logits: torch.Tensor,
+                      gens: list[torch.Generator | None], sps: list[SamplingParams]) -> Verdict:
+        """A batch with token trees: every segment as a tree (a chain is the tree of one path, which the
+        tree rule accepts exactly as the chain rule, randoms included), by tree_verify.accept_trees."""
+        shapes = plan.trees + [None for _ in plan.finishing]
+        trees = [DraftTree.chain(d, q) if t is None else DraftTree(d, t, None if q is None else list(q))
+                 for d, q, t in zip(drafts, probs, shapes)]
+        got = accept_trees(logits, trees, gens, sps)
+        return Verdict([v.accepted for v in got], [v.tokens for v in got],
+                       [None if t is None else v.segment_path() for v, t in zip(got, shapes)])
 
     def commit(self, plan: Plan, verdict: Verdict) -> int:
         """Append new tokens, roll caches back to the committed length, finish and free slots."""
         for s, n in plan.chunks:
             s.prefilled += n
+        if verdict.paths is not None:
+            self._keep_paths(plan, verdict)
         generated = 0
         for s, new, k, d in zip(plan.decode + plan.finishing, verdict.tokens, verdict.accepted,
                                 plan.drafts + [[] for _ in plan.finishing]):
@@ -335,6 +380,15 @@ class BatchLoop:
                 for dr in self.drafters.values():
                     dr.on_commit(s.index, s.tokens)
         return generated
+
+    def _keep_paths(self, plan: Plan, verdict: Verdict) -> None:
+        """Token trees: the accepted path's K/V (and target features) move into place in each cache."""
+        for s, path in zip(plan.decode, verdict.paths):
+            if path:
+                cache_len = len(s.tokens) - 1  # the root's row: the slot's tokens are not yet appended
+                self.cache.keep_path(s.index, cache_len, path)
+                for f in self._features:
+                    f.keep_path(s.index, cache_len, path)
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -452,6 +506,11 @@ class BatchLoop:
                                           "leaves no room to generate", prompt_tokens=len(ids))
         self.admit(req, ids)
         return None
+
+
+def _reach(drafts: list[int], parents: list[int] | None) -> int:
+    """Draft tokens on the longest path: a chain's length, a tree's depth."""
+    return len(drafts) if parents is None else max(DraftTree(drafts, parents).depths(), default=0)
 
 
 def _lap(times: dict[str, float], stage: str, t0: float) -> float:

@@ -1,9 +1,9 @@
 """Acceptance on token trees: which path of a slot's draft tree stands, greedy or sampled, lossless.
 
-A building block for issue 33, NOT wired into the loop yet: no drafter proposes trees, the packed
-forward has no tree mask and the cache does not compact accepted nodes, so nothing here means trees
-work end to end. The chain rule the loop uses is verify.py; a chain is the tree whose every node
-has one child, and on it this module gives verify.rejection_sample's verdicts, randoms included.
+The loop takes it for a batch in which some slot drafted a tree (BatchLoop.accept), every other
+segment as a chain; a batch of chains keeps verify.py (and its Triton kernel). A chain is the tree
+whose every node has one child, and on it this module gives verify.rejection_sample's verdicts,
+randoms included.
 
 Terms as in verify.py: the accepted nodes form a path from the root; the step yields
 len(path) + 1 new tokens, the path's tokens and then the recovered token (every child of the last

@@ -31,6 +31,9 @@ from ..sampling import SamplingParams, inverse_cdf, probs_from_logits, probs_per
 class Verdict:
     accepted: list[int]  # [S] accepted draft tokens per segment
     tokens: list[list[int]]  # [S] new tokens per segment: accepted drafts + recovered/bonus
+    # [S] per token-tree segment the accepted nodes as segment token indices (KVCache.keep_path's
+    # path), None for a chain; None here: no tree in the batch
+    paths: list[list[int] | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ One cache per model: K and V of shape [layers, slots, kv_heads, max_len, head_di
 valid length is owned by the caller (the batch loop): rollback is moving that length back,
 and later writes overwrite whatever lay beyond it. Nothing is ever copied to roll back.
 
-After a token-tree verify (segments.py; not yet run by the loop) the accepted nodes lie scattered
+After a token-tree verify (segments.py) the accepted nodes lie scattered
 over the tree's scratch rows: keep_path moves them into place (see there).
 """
 

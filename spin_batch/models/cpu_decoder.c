@@ -428,9 +428,14 @@ static const vw LANES = {0, 1, 2, 3, 4, 5, 6, 7};
 #define MAX_V (256 / VW) /* vectors of the largest head */
 
 /* Rows of one slot (positions pos[r]), the G query heads of one KV head: they share every key and value
- * load. Each query's keys, blocks, sums and their order are those it would have alone. */
+ * load. Each query's keys, blocks, sums and their order are those it would have alone.
+ * tail (a token-tree row; nr is 1): the query's keys are cache rows 0..base-1 then tail[0..pos - base], its
+ * root-to-itself path, read in that order as keys base..pos: the very arithmetic of a row at position pos
+ * whose cache holds that path in place (the row autoregressive decoding would compute). NULL: rows 0..pos. */
+#define KEY_ROW(t) (tail && (t) >= base ? tail[(t) - base] : (t))
 static inline __attribute__((always_inline)) void attend_rows(const char *q, int64_t q_rs, const char *kc, const char *vc, char *out, int64_t out_rs,
-                        const int64_t *pos, int64_t nr, int64_t G, int64_t D, float scale, int es) {
+                        const int64_t *pos, int64_t nr, int64_t G, int64_t D, float scale, int es,
+                        int64_t base, const int64_t *tail) {
     int64_t nv = D / VW, Q = nr * G, last = 0;
     vw qv[MAX_Q][MAX_V], acc[MAX_Q][MAX_V];
     float m[MAX_Q], s[MAX_Q][KEY_BLOCK];
@@ -456,7 +461,7 @@ static inline __attribute__((always_inline)) void attend_rows(const char *q, int
                 vw kv[MAX_V];
                 int have = t + u < n;
                 if (have)
-                    for (int64_t j = 0; j < nv; j++) kv[j] = loadw(kc + ((t0 + t + u) * D + j * VW) * es, es);
+                    for (int64_t j = 0; j < nv; j++) kv[j] = loadw(kc + (KEY_ROW(t0 + t + u) * D + j * VW) * es, es);
                 for (int64_t qi = 0; qi < Q; qi++) {
                     if (!have || t0 + t + u > qpos[qi]) { /* past the query's last key: zeros, never read */
                         part[qi][u] = (v8){0};
@@ -503,7 +508,7 @@ static inline __attribute__((always_inline)) void attend_rows(const char *q, int
                     for (int64_t j = 0; j < jn; j++) a[qq][j] = acc[q0 + qq][j0 + j];
                 for (int64_t t = 0; t < n; t++) {
                     vw vv[DCH];
-                    for (int64_t j = 0; j < jn; j++) vv[j] = loadw(vc + ((t0 + t) * D + (j0 + j) * VW) * es, es);
+                    for (int64_t j = 0; j < jn; j++) vv[j] = loadw(vc + (KEY_ROW(t0 + t) * D + (j0 + j) * VW) * es, es);
                     for (int64_t qq = 0; qq < qn; qq++) {
                         if (t0 + t > qpos[q0 + qq]) continue;
                         float p = s[q0 + qq][t];
@@ -536,7 +541,12 @@ static inline __attribute__((always_inline)) void attend_rows(const char *q, int
 #define ATTEND_FIXED(NAME, DD, ES)                                                                            \
     static void NAME(const char *q, int64_t q_rs, const char *kc, const char *vc, char *out, int64_t out_rs,  \
                      const int64_t *pos, int64_t nr, int64_t G, float scale) {                                \
-        attend_rows(q, q_rs, kc, vc, out, out_rs, pos, nr, G, DD, scale, ES);                                 \
+        attend_rows(q, q_rs, kc, vc, out, out_rs, pos, nr, G, DD, scale, ES, 0, (const int64_t *)0);          \
+    }                                                                                                         \
+    static void NAME##_tree(const char *q, int64_t q_rs, const char *kc, const char *vc, char *out,           \
+                            int64_t out_rs, const int64_t *pos, int64_t G, float scale, int64_t base,         \
+                            const int64_t *tail) {                                                            \
+        attend_rows(q, q_rs, kc, vc, out, out_rs, pos, 1, G, DD, scale, ES, base, tail);                      \
     }
 ATTEND_FIXED(attend_64_f32, 64, 4)
 ATTEND_FIXED(attend_64_bf16, 64, 2)
@@ -549,17 +559,35 @@ static void attend_any(const char *q, int64_t q_rs, const char *kc, const char *
     else if (D == 64) attend_64_bf16(q, q_rs, kc, vc, out, out_rs, pos, nr, G, scale);
     else if (D == 128 && es == 4) attend_128_f32(q, q_rs, kc, vc, out, out_rs, pos, nr, G, scale);
     else if (D == 128) attend_128_bf16(q, q_rs, kc, vc, out, out_rs, pos, nr, G, scale);
-    else attend_rows(q, q_rs, kc, vc, out, out_rs, pos, nr, G, D, scale, es);
+    else attend_rows(q, q_rs, kc, vc, out, out_rs, pos, nr, G, D, scale, es, 0, (const int64_t *)0);
+}
+
+/* attend_any for one token-tree row (see attend_rows: base, tail). */
+static void attend_any_tree(const char *q, int64_t q_rs, const char *kc, const char *vc, char *out, int64_t out_rs,
+                            const int64_t *pos, int64_t G, int64_t D, float scale, int es, int64_t base,
+                            const int64_t *tail) {
+    if (D == 64 && es == 4) attend_64_f32_tree(q, q_rs, kc, vc, out, out_rs, pos, G, scale, base, tail);
+    else if (D == 64) attend_64_bf16_tree(q, q_rs, kc, vc, out, out_rs, pos, G, scale, base, tail);
+    else if (D == 128 && es == 4) attend_128_f32_tree(q, q_rs, kc, vc, out, out_rs, pos, G, scale, base, tail);
+    else if (D == 128) attend_128_bf16_tree(q, q_rs, kc, vc, out, out_rs, pos, G, scale, base, tail);
+    else attend_rows(q, q_rs, kc, vc, out, out_rs, pos, 1, G, D, scale, es, base, tail);
 }
 
 int spin_attention_max_head_dim(void) { return 256; }
 
-/* q [N, H, D] (row stride q_rs elements), k_new / v_new [N, KV, D] (row strides), kc / vc this layer's
- * cache [slots, KV, max_len, D], out [N, H, D] contiguous; slot / pos [N] per row. Returns 0, or -1 when
- * out of memory. */
-int spin_attention(const void *q, int64_t q_rs, const void *k_new, int64_t k_rs, const void *v_new, int64_t v_rs,
-                    void *kc, void *vc, void *out, const int64_t *slot, const int64_t *pos, int64_t N, int64_t H,
-                    int64_t KV, int64_t D, int64_t max_len, int es) {
+/* ---- Token trees (opt-in: spin_attention_tree) -------------------------------------------------------
+ *
+ * A tree segment's token i sits at cache row cache_len + i (pos[i]) and attends rows [0, cache_len) plus
+ * its ancestors and itself: anc[i] bit j is whether row cache_len + j is one of them (bit i, itself, is its
+ * highest bit, since a parent precedes its children; so cache_len = pos[i] - i). anc[i] == 0 marks an
+ * ordinary row, which attends keys 0..pos[i] as in spin_attention. A tree row runs alone, through
+ * attend_rows with its path as the tail of its keys: the arithmetic of the same token decoded
+ * autoregressively, bit for bit, so a token tree's accepted path is what a chain would have computed. */
+
+/* spin_attention, and spin_attention_tree when anc is not NULL. */
+static int attend_batch(const void *q, int64_t q_rs, const void *k_new, int64_t k_rs, const void *v_new, int64_t v_rs,
+                     void *kc, void *vc, void *out, const int64_t *slot, const int64_t *pos, const uint64_t *anc,
+                     int64_t N, int64_t H, int64_t KV, int64_t D, int64_t max_len, int es) {
     int64_t G = H / KV, head = max_len * D * es, slot_size = KV * head;
     for (int64_t i = 0; i < N; i++)
         for (int64_t h = 0; h < KV; h++) {
@@ -572,14 +600,15 @@ int spin_attention(const void *q, int64_t q_rs, const void *k_new, int64_t k_rs,
      * load. Runs of MAX_Q / G rows share the most loads, but at one slot they make only KV tasks, so a
      * thread waits on another's second task; there a task takes one row (at one slot, G = 3, a 3-row
      * verify's attention over 600 keys went from 97 to 72 us a layer on 2 cores). A query's arithmetic
-     * is the same in any split. */
+     * is the same in any split. A tree row is a run of its own. */
     int64_t *chunk = (int64_t *)__builtin_malloc((N + 1) * sizeof(int64_t));
     if (!chunk) return -1;
     int64_t nc = 0;
     for (int64_t per = MAX_Q / G;; per = 1) {
         nc = 0;
         for (int64_t i = 0; i < N; i++)
-            if (i == 0 || slot[i] != slot[i - 1] || i - chunk[nc - 1] == per) chunk[nc++] = i;
+            if (i == 0 || slot[i] != slot[i - 1] || i - chunk[nc - 1] == per || (anc && (anc[i] || anc[i - 1])))
+                chunk[nc++] = i;
         if (per == 1 || nc == N || nc * KV >= 4 * (int64_t)omp_get_max_threads()) break;
     }
     chunk[nc] = N;
@@ -587,86 +616,39 @@ int spin_attention(const void *q, int64_t q_rs, const void *k_new, int64_t k_rs,
 #pragma omp parallel for schedule(dynamic, 1) if (nc * KV > 1)
     for (int64_t task = 0; task < nc * KV; task++) {
         int64_t c = task / KV, h = task % KV, i = chunk[c], base = slot[i] * slot_size + h * head;
-        attend_any((const char *)q + (i * q_rs + h * G * D) * es, q_rs, (const char *)kc + base,
-                    (const char *)vc + base, (char *)out + (i * H + h * G) * D * es, H * D, pos + i,
-                    chunk[c + 1] - i, G, D, scale, es);
+        const char *qi = (const char *)q + (i * q_rs + h * G * D) * es;
+        char *oi = (char *)out + (i * H + h * G) * D * es;
+        if (anc && anc[i]) {
+            int64_t self = 63 - __builtin_clzll(anc[i]), root = pos[i] - self, path[64], n = 0;
+            for (int64_t j = 0; j <= self; j++)
+                if (anc[i] >> j & 1) path[n++] = root + j;
+            int64_t last = root + n - 1; /* its position: the keys before the root, then its path */
+            attend_any_tree(qi, q_rs, (const char *)kc + base, (const char *)vc + base, oi, H * D, &last, G, D,
+                            scale, es, root, path);
+        } else {
+            attend_any(qi, q_rs, (const char *)kc + base, (const char *)vc + base, oi, H * D, pos + i,
+                       chunk[c + 1] - i, G, D, scale, es);
+        }
     }
     __builtin_free(chunk);
     return 0;
 }
 
-/* ---- Token trees (opt-in: spin_attention_tree) -------------------------------------------------------
- *
- * A tree segment's token i sits at cache row cache_len + i (pos[i]) and attends rows [0, cache_len) plus
- * its ancestors and itself: anc[i] bit j is whether row cache_len + j is one of them (bit i, itself, is its
- * highest bit, since a parent precedes its children; so cache_len = pos[i] - i). anc[i] == 0 marks an
- * ordinary row, which attends keys 0..pos[i] through attend_any as in spin_attention. Trees are small (at
- * most 64 tokens), so a tree query runs alone: scores of its keys, their maximum, e^(s - max), the sum. */
-
-static inline float elem(const char *p, int64_t i, int es) {
-    return es == 4 ? ((const float *)p)[i] : bf16_to_float(((const uint16_t *)p)[i]);
-}
-
-/* One tree row's G query heads of one KV head; s: scratch for pos + 1 scores. */
-static void attend_tree(const char *q, const char *kc, const char *vc, char *out, int64_t pos, uint64_t anc,
-                        int64_t G, int64_t D, float scale, int es, float *s, int64_t *keys) {
-    int64_t self = 63 - __builtin_clzll(anc), base = pos - self, nk = 0;
-    for (int64_t t = 0; t < base; t++) keys[nk++] = t;
-    for (int64_t j = 0; j <= self; j++)
-        if (anc >> j & 1) keys[nk++] = base + j;
-    for (int64_t g = 0; g < G; g++) {
-        const char *qg = q + g * D * es;
-        float m = -__builtin_inff(), sum = 0.0f, acc[256];
-        for (int64_t u = 0; u < nk; u++) {
-            float d = 0.0f;
-            for (int64_t c = 0; c < D; c++) d += elem(qg, c, es) * scale * elem(kc, keys[u] * D + c, es);
-            s[u] = d;
-            m = d > m ? d : m;
-        }
-        for (int64_t c = 0; c < D; c++) acc[c] = 0.0f;
-        for (int64_t u = 0; u < nk; u++) {
-            float p = expw((vw){0} + (s[u] - m))[0];
-            sum += p;
-            for (int64_t c = 0; c < D; c++) acc[c] += p * elem(vc, keys[u] * D + c, es);
-        }
-        for (int64_t c = 0; c < D; c++) store1(out + g * D * es, c, acc[c] / sum, es);
-    }
+/* q [N, H, D] (row stride q_rs elements), k_new / v_new [N, KV, D] (row strides), kc / vc this layer's
+ * cache [slots, KV, max_len, D], out [N, H, D] contiguous; slot / pos [N] per row. Returns 0, or -1 when
+ * out of memory. */
+int spin_attention(const void *q, int64_t q_rs, const void *k_new, int64_t k_rs, const void *v_new, int64_t v_rs,
+                   void *kc, void *vc, void *out, const int64_t *slot, const int64_t *pos, int64_t N, int64_t H,
+                   int64_t KV, int64_t D, int64_t max_len, int es) {
+    return attend_batch(q, q_rs, k_new, k_rs, v_new, v_rs, kc, vc, out, slot, pos, (const uint64_t *)0, N, H, KV, D,
+                     max_len, es);
 }
 
 /* spin_attention's arguments plus anc [N] (see above). Returns 0, or -1 when out of memory. */
 int spin_attention_tree(const void *q, int64_t q_rs, const void *k_new, int64_t k_rs, const void *v_new, int64_t v_rs,
                         void *kc, void *vc, void *out, const int64_t *slot, const int64_t *pos, const uint64_t *anc,
                         int64_t N, int64_t H, int64_t KV, int64_t D, int64_t max_len, int es) {
-    int64_t G = H / KV, head = max_len * D * es, slot_size = KV * head;
-    for (int64_t i = 0; i < N; i++)
-        for (int64_t h = 0; h < KV; h++) {
-            int64_t at = slot[i] * slot_size + h * head + pos[i] * D * es;
-            __builtin_memcpy((char *)kc + at, (const char *)k_new + (i * k_rs + h * D) * es, D * es);
-            __builtin_memcpy((char *)vc + at, (const char *)v_new + (i * v_rs + h * D) * es, D * es);
-        }
-    float scale = 1.0f / __builtin_sqrtf((float)D);
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) if (N * KV > 1)
-    for (int64_t task = 0; task < N * KV; task++) {
-        int64_t i = task / KV, h = task % KV, base = slot[i] * slot_size + h * head;
-        const char *qi = (const char *)q + (i * q_rs + h * G * D) * es;
-        char *oi = (char *)out + (i * H + h * G) * D * es;
-        if (!anc[i]) {
-            attend_any(qi, q_rs, (const char *)kc + base, (const char *)vc + base, oi, H * D, pos + i, 1, G, D,
-                       scale, es);
-            continue;
-        }
-        float *s = (float *)__builtin_malloc((pos[i] + 1) * (sizeof(float) + sizeof(int64_t)));
-        if (!s) {
-#pragma omp atomic write
-            failed = 1;
-            continue;
-        }
-        attend_tree(qi, (const char *)kc + base, (const char *)vc + base, oi, pos[i], anc[i], G, D, scale, es, s,
-                    (int64_t *)(s + pos[i] + 1));
-        __builtin_free(s);
-    }
-    return failed ? -1 : 0;
+    return attend_batch(q, q_rs, k_new, k_rs, v_new, v_rs, kc, vc, out, slot, pos, anc, N, H, KV, D, max_len, es);
 }
 
 /* ---- The decoder layers in one call ---------------------------------------------------------------

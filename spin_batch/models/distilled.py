@@ -105,7 +105,16 @@ class TargetFeatures:
         self.eps = eps
 
     def write(self, seg: Segments, hidden: torch.Tensor) -> None:
-        self.g[seg.token_slots, seg.positions] = normalize(hidden, self.eps).to(self.g.dtype)
+        """At the rows the forward wrote K/V to (a token tree's scratch rows; see keep_path)."""
+        self.g[seg.token_slots, seg.rows] = normalize(hidden, self.eps).to(self.g.dtype)
+
+    def keep_path(self, slot: int, cache_len: int, path: list[int]) -> None:
+        """After a token-tree verify: the accepted nodes' features move into place, as KVCache.keep_path
+        moves their K/V (path: the accepted segment tokens below the root, increasing)."""
+        moved = [k for k, p in enumerate(path) if p != k + 1]
+        if moved:
+            src = torch.tensor([cache_len + path[k] for k in moved], device=self.g.device)
+            self.g[slot, cache_len + 1 + torch.tensor(moved, device=self.g.device)] = self.g[slot, src]
 
 
 def normalize(h: torch.Tensor, eps: float) -> torch.Tensor:

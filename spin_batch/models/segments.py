@@ -5,8 +5,8 @@ decode token, or a verify run (last committed token + gamma draft tokens). Segme
 end to end in a flat batch of N tokens; nothing is padded to the longest segment or the
 longest context. Each segment attends to its own slot's cache plus itself (causally).
 
-A segment may instead be a token tree (`parents`, opt-in; a building block for issue 33, not yet
-fed by the batch loop or any drafter): token i of a tree segment is written to its slot's cache at
+A segment may instead be a token tree (`parents`, opt-in; the loop's verify segment of a slot whose
+drafter proposed a tree): token i of a tree segment is written to its slot's cache at
 row cache_len + i (scratch order), takes RoPE position cache_len + depth(i), and attends to the
 slot's rows [0, cache_len) plus its own ancestors and itself only. The torch attention (attention.py),
 the C attention and decoder (cpu_decoder.c) and the Triton kernels (spin_kernels, eagerly: no CUDA

@@ -82,6 +82,7 @@ class BanditPolicy(Policy):
     pooled: dict[str, Beta] = field(default_factory=dict)
     requests: dict[int, RequestArms] = field(default_factory=dict)  # by slot
     backoff: bool = True
+    trees: dict[str, int] = field(default_factory=dict)  # per drafter that grows token trees, its node budget
 
     def __post_init__(self) -> None:
         if self.mode not in ("ucb", "thompson"):
@@ -180,7 +181,7 @@ class BanditPolicy(Policy):
         if self.draining and joint.drain_value(picks) <= joint.n:
             return {}
         sharing = Counter(d for d, _ in picks if d is not None)
-        return {i: Choice(d, g, self.pricing.floor(d, sharing[d], verify_price, lam))
+        return {i: Choice(d, g, self.pricing.floor(d, sharing[d], verify_price, lam), self.trees.get(d, 0))
                 for (i, _, _), (d, g) in zip(open_, picks) if d is not None}
 
     def _rate(self, arm: Beta, steps: int) -> float:

@@ -23,24 +23,34 @@ def gated_drafters(drafters: Mapping | Iterable[str], confidence_gate: bool = Tr
     return frozenset(n for n, d in drafters.items() if d.gates)
 
 
+def tree_drafters(drafters: Mapping | Iterable[str], tree_nodes: int, gated: frozenset[str]) -> dict[str, int]:
+    """Per drafter that grows token trees, its node budget: the gated drafters with `trees` (a tree's nodes
+    are priced by the gate's floor; ungated, a tree would always take its whole budget)."""
+    if tree_nodes <= 1 or not isinstance(drafters, dict):
+        return {}
+    return {n: tree_nodes for n, d in drafters.items() if d.trees and n in gated}
+
+
 def make_policy(selector: str, drafters: Mapping | Iterable[str], max_gamma: int, seed: int = 0,
-                confidence_gate: bool = True, backoff: bool = True) -> Policy:
+                confidence_gate: bool = True, backoff: bool = True, tree_nodes: int = 0) -> Policy:
     """`drafters`: the loop's drafters by name, or bare names (then none is gated). With confidence_gate,
     the drafters that honour Choice.min_prob get a floor priced by the cost model. With backoff, ucb and
-    thompson speculate at a step only while that measures ahead (gate.StepGate)."""
+    thompson speculate at a step only while that measures ahead (gate.StepGate). tree_nodes: the token-tree
+    budget of the gated drafters that grow trees (0: chains)."""
     names = list(drafters)
     gated = gated_drafters(drafters, confidence_gate)
+    trees = tree_drafters(drafters, tree_nodes, gated)
     if selector == "none":
         return NoSpeculation()
     if selector in ("ucb", "thompson"):
         if not names:
             return NoSpeculation()
-        return BanditPolicy(names, max_gamma, mode=selector, seed=seed, gated=gated, backoff=backoff)
+        return BanditPolicy(names, max_gamma, mode=selector, seed=seed, gated=gated, backoff=backoff, trees=trees)
     if selector == "round_robin":
         return RoundRobin(names, max_gamma) if names else NoSpeculation()
     if selector.startswith("fixed:"):
         name = selector.split(":", 1)[1]
         if name not in names:
             raise ValueError(f"selector {selector!r}: no drafter named {name!r} (have: {', '.join(names)})")
-        return FixedDrafter(name, max_gamma, Pricing([name]) if name in gated else None)
+        return FixedDrafter(name, max_gamma, Pricing([name]) if name in gated else None, trees.get(name, 0))
     raise ValueError(f"unknown selector {selector!r}")

@@ -18,9 +18,12 @@ class NoSpeculation(Policy):
         return [NO_SPEC for _ in slots]
 
 
-def fixed_choices(names: list[str | None], caps: list[int], gamma: int, pricing: Pricing | None = None) -> list[Choice]:
+def fixed_choices(names: list[str | None], caps: list[int], gamma: int, pricing: Pricing | None = None,
+                  trees: dict[str, int] | None = None) -> list[Choice]:
     """Each slot's drafter (None: no drafting) at gamma, within its cap. With pricing, a gated drafter gets
-    its confidence floor once the cost model knows its cost (before that, and ungated, the floor is 0)."""
+    its confidence floor once the cost model knows its cost (before that, and ungated, the floor is 0).
+    trees: the token-tree budget per drafter that grows trees (a gated one: its nodes are priced)."""
+    trees = trees or {}
     if pricing is None:
         return [Choice(n, min(cap, gamma)) if n is not None and cap > 0 else NO_SPEC for n, cap in zip(names, caps)]
     verify_price, lam = pricing.prices()
@@ -31,7 +34,7 @@ def fixed_choices(names: list[str | None], caps: list[int], gamma: int, pricing:
             out.append(NO_SPEC)
             continue
         floor = pricing.floor(n, sharing[n], verify_price, lam) if pricing.known(n) else 0.0
-        out.append(Choice(n, min(cap, gamma), floor))
+        out.append(Choice(n, min(cap, gamma), floor, trees.get(n, 0)))
     return out
 
 
@@ -40,13 +43,14 @@ class FixedDrafter(Policy):
 
     pricing: for a gated drafter, the cost model that sets its confidence floor (None: no floor)."""
 
-    def __init__(self, drafter: str, gamma: int, pricing: Pricing | None = None):
+    def __init__(self, drafter: str, gamma: int, pricing: Pricing | None = None, nodes: int = 0):
         self.drafter = drafter
         self.gamma = gamma
         self.pricing = pricing
+        self.trees = {drafter: nodes} if nodes > 1 else {}
 
     def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
-        return fixed_choices([self.drafter] * len(slots), caps, self.gamma, self.pricing)
+        return fixed_choices([self.drafter] * len(slots), caps, self.gamma, self.pricing, self.trees)
 
     def learn(self, outcomes: list[Outcome], costs: StepCosts) -> None:
         if self.pricing is not None:
