@@ -207,6 +207,27 @@ def test_speculative_greedy_equals_autoregressive(spec_models, slots):
     assert all(drafted.get(name) for name in drafters), drafted
 
 
+def test_tree_choices_become_chains_on_this_backend(spec_models):
+    """A policy asking for token trees: this backend verifies no tree segment, and its model draft
+    grows none (ModelDrafter.trees), so every slot drafts chains, and the text is autoregressive's."""
+    from dataclasses import replace
+
+    target, draft, _ = spec_models
+    want = run(target, 1, SPEC_PROMPTS, budget=64)
+    cache = target.allocate_cache(3, 48)
+    drafters = {"model": ModelDrafter("model", draft, draft.allocate_cache(3, 48)),
+                "exit": EarlyExitDrafter("exit", target, cache, 1)}
+    assert not drafters["model"].trees
+
+    class Trees(Cycle):
+        def choose(self, slots, caps):
+            return [replace(c, nodes=6) for c in super().choose(slots, caps)]
+
+    stats = RunStats()
+    assert run(target, 3, SPEC_PROMPTS, Trees(list(drafters)), drafters, cache, budget=16, stats=stats) == want
+    assert all(stats.summary()["drafters"][n]["draft_tokens"] for n in drafters)
+
+
 def test_early_exit_logits_are_the_first_layers_then_norm_and_head(folders):
     """forward(num_layers=1) gives what transformers gives for the same checkpoint cut to one layer."""
     from transformers import AutoModelForCausalLM

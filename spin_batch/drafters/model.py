@@ -32,6 +32,7 @@ class ModelDrafter(Drafter):
         # A distilled draft's head covers a subset of the target vocabulary: row k is target id vocab_ids[k].
         self.vocab_ids = model.vocab_ids
         self.lens = [0] * cache.slots  # [slots] tokens of each slot held in this drafter's cache
+        self.trees = getattr(model, "tree_segments", True)  # a tree's later rounds are tree segments
 
     def on_admit(self, slot: int) -> None:
         self.lens[slot] = 0

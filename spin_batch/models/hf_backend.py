@@ -53,6 +53,7 @@ class TransformersModel:
 
     vocab_ids = None  # every logits row is its own token id (a distilled draft's head would map them)
     feature_head = None  # no target-feature drafts on this backend
+    tree_segments = False  # writes K/V at positions: token-tree segments are refused (forward), not verified
 
     def __init__(self, hf, spec: HfSpec, probed: ProbeResult, execution: Execution | None = None,
                  position_limit: int | None = None):
