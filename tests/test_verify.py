@@ -213,10 +213,10 @@ class _TableDraft(ModelDrafter):
     def _catch_up(self, reqs):
         return [0] * len(reqs), [[self.START] for _ in reqs], None
 
-    def _step(self, flat, seg, extra):
+    def _step(self, flat, seg, extra, rows):
         first = flat == self.START
-        rows = torch.where(first[:, None], self.logq1.expand(len(flat), V), self.logq2[flat.clamp_max(V - 1)])
-        return rows, None
+        logits = torch.where(first[:, None], self.logq1.expand(len(flat), V), self.logq2[flat.clamp_max(V - 1)])
+        return logits[rows], None
 
     def _seen(self, req, end, first):
         pass
