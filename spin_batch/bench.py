@@ -274,6 +274,7 @@ def table(runs: list[MethodRun]) -> list[dict]:
             "ratio_vs_autoregressive_min": min(ratios) if ratios else None,
             "ratio_vs_autoregressive_max": max(ratios) if ratios else None,
             "mean_acceptance_length": acc,
+            "drafted_per_step": _median_of(group, _drafted_per_step),
             "target_forwards_per_token": _median_of(group, lambda s: s.get("target_forwards_per_generated_token")),
             "padding_saved_fraction": _median_of(group, lambda s: s.get("padding_saved_fraction")),
             "generated_tokens": statistics.median(r.generated for r in group),
@@ -313,6 +314,13 @@ def _mean_acceptance(summary: dict) -> float | None:
     spec = sum(d["spec_steps"] for d in drafters.values())
     acc = sum(d["accepted_draft_tokens"] for d in drafters.values())
     return (acc + spec) / spec if spec else None
+
+
+def _drafted_per_step(summary: dict) -> float | None:
+    """Draft tokens verified per speculative step: a chain's length, a token tree's size."""
+    drafters = {k: v for k, v in summary.get("drafters", {}).items() if k != "none"}
+    spec = sum(d["spec_steps"] for d in drafters.values())
+    return sum(d["draft_tokens"] for d in drafters.values()) / spec if spec else None
 
 
 def backend_use(runs: list[MethodRun]) -> list[str]:
@@ -373,7 +381,7 @@ def regret(runs: list[MethodRun]) -> list[str]:
 def markdown(rows: list[dict]) -> str:
     cols = [("method", "method", "{}"), ("slots", "slots", "{}"), ("tok/s", "tokens_per_s", "{:.1f}"),
             ("vs AR", "ratio_vs_autoregressive", "{:.2f}x"), ("vs AR range", "ratio_vs_autoregressive_min", None),
-            ("accept len", "mean_acceptance_length", "{:.2f}"),
+            ("accept len", "mean_acceptance_length", "{:.2f}"), ("drafted/step", "drafted_per_step", "{:.1f}"),
             ("fwd/token", "target_forwards_per_token", "{:.2f}"), ("padding saved", "padding_saved_fraction", "{:.0%}"),
             ("peak RSS MB", "peak_rss_mb", "{:.0f}")]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
@@ -403,7 +411,7 @@ def write_results(runs: list[MethodRun], out: Path) -> dict[str, Path]:
     raw = _arrow([{
         "method": r.method, "slots": r.slots, "repeat": r.repeat, "wall_s": r.wall_s, "generated_tokens": r.generated,
         "tokens_per_s": r.tok_s, "peak_rss_mb": r.peak_rss_mb,
-        "mean_acceptance_length": _mean_acceptance(r.summary),
+        "mean_acceptance_length": _mean_acceptance(r.summary), "drafted_per_step": _drafted_per_step(r.summary),
         **{f"{stage}_s": t for stage, t in r.summary.get("stage_time_s", {}).items()},
         **{f"cuda_graph_{k}": v for k, v in r.summary.get("cuda_graphs", {}).items()},
     } for r in runs])

@@ -45,6 +45,9 @@ def test_table_has_every_method_and_slot_count(runs):
                 assert r["target_forwards_per_token"] == pytest.approx(1.0)
         if r["method"].startswith("fixed:"):
             assert r["mean_acceptance_length"] >= 1.0
+            assert r["drafted_per_step"] >= r["mean_acceptance_length"] - 1.0  # accepted drafts were drafted
+        if r["method"] == "autoregressive":
+            assert r["drafted_per_step"] is None
 
 
 def test_greedy_outputs_agree_and_an_injected_mismatch_is_caught(runs):

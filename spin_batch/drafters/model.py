@@ -60,8 +60,9 @@ class ModelDrafter(Drafter):
             for i, d, q in zip(chain, got.tokens, got.probs):
                 tokens[i], probs[i] = d, q
         for i, t in zip(tree, self.grow_trees([reqs[i] for i in tree])):
-            tokens[i], parents[i] = t.tokens, t.parents
-        return Proposal(tokens, probs, parents)
+            # a tree that grew one path is a chain: verified as one, on the chain rule's faster path
+            tokens[i], parents[i] = t.tokens, None if t.parents == list(range(-1, len(t.parents) - 1)) else t.parents
+        return Proposal(tokens, probs, None if all(x is None for x in parents) else parents)
 
     def _chains(self, reqs: list[DraftRequest]) -> Proposal:
         drafts: list[list[int]] = [[] for _ in reqs]
