@@ -7,6 +7,14 @@ token the drafter did not propose counts as a failure). The choice itself, which
 rates against the cost model, is joint.JointChoice; the cost model is costs.py; the back-off
 step gate is gate.StepGate.
 
+Token trees: a drafter that grows trees (`trees`) gets its node budget with its choice, each node
+priced by the confidence floor. Whether trees are offered at all is a second StepGate (tree_gate)
+over the steps that speculate, chains in the gate's favoured mode: per batch size, trees run only
+while their steps measure more goodput than chains', by the gate's margin. The cost model prices a
+node's verified row, not all a tree spends (its draft rounds re-feed the tree, the tree rule and
+the compaction run per slot), and on this CPU the measured gap at 4 and 16 slots is a few percent
+either way (BENCHMARKS.md), which the outcome settles and the model cannot.
+
 Warm start: new requests start from the pooled posterior of all requests so far, scaled down to
 a few pseudo-observations, so short requests do not pay for exploration.
 
@@ -92,6 +100,8 @@ class BanditPolicy(Policy):
         self.pricing = Pricing([d for d in self.drafters if d in self.gated], self.cost)
         self.gate = StepGate() if self.backoff else None
         self._step: tuple[int, bool] | None = None  # (decoding slots, speculated) of the step being run
+        self.tree_gate = StepGate() if self.trees else None  # chains (True) or trees, per batch size
+        self._tree_step: tuple[int, bool] | None = None  # (decoding slots, chains only) of the step being run
         self.draining = False  # the request stream is done (on_drain): see the module docstring
         # the drain's last verdict against drafting: the slots it covered, and steps since. In the drain
         # nothing is learnt while nothing drafts, so the verdict stands until a slot leaves (or a while).
@@ -121,6 +131,8 @@ class BanditPolicy(Policy):
             self._step = (len(slots), self.gate.decide(len(slots)))
             if not self._step[1]:
                 return [NO_SPEC] * len(slots)
+        if self.tree_gate is not None:
+            self._tree_step = (len(slots), self.tree_gate.decide(len(slots)))
         # a drafter whose cost is still unknown is tried by one slot, with a short draft: trying
         # it on every slot at once could stall the whole batch behind an expensive drafter
         # (not in the drain: a step that drafts for one slot only makes the job no shorter)
@@ -181,8 +193,13 @@ class BanditPolicy(Policy):
         if self.draining and joint.drain_value(picks) <= joint.n:
             return {}
         sharing = Counter(d for d, _ in picks if d is not None)
-        return {i: Choice(d, g, self.pricing.floor(d, sharing[d], verify_price, lam), self.trees.get(d, 0))
+        return {i: Choice(d, g, self.pricing.floor(d, sharing[d], verify_price, lam), self._nodes(d))
                 for (i, _, _), (d, g) in zip(open_, picks) if d is not None}
+
+    def _nodes(self, drafter: str) -> int:
+        """The drafter's tree budget this step: 0 (a chain) unless the tree gate runs trees."""
+        chains = self._tree_step is None or self._tree_step[1]
+        return 0 if chains else self.trees.get(drafter, 0)
 
     def _rate(self, arm: Beta, steps: int) -> float:
         if self.mode == "thompson":
@@ -196,6 +213,8 @@ class BanditPolicy(Policy):
         gained, decode_s = self.pricing.learn(outcomes, costs)
         if self.gate is not None and self._step is not None:
             self.gate.observe(self._step[0], self._step[1], gained, decode_s)
+        if self.tree_gate is not None and self._tree_step is not None and (self._step is None or self._step[1]):
+            self.tree_gate.observe(self._tree_step[0], self._tree_step[1], gained, decode_s)
         for o in outcomes:
             if o.choice.drafter is None or o.choice.gamma == 0:
                 continue

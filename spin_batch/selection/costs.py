@@ -134,9 +134,11 @@ class CostModel:
         cheaper to skip than it is (their cost is charged at the modelled c1 per token).
         """
         c0, c1 = self.verify_coeffs()
-        decode_tokens = sum(o.drafted + 1 for o in outcomes)
+        # the prefill chunks' tokens, not the decoding slots' rows: a token tree verifies more rows than
+        # its Outcome's drafted (its depth), and they are the decoding's cost
+        decode_tokens = costs.verify_tokens - costs.prefill_tokens
         verify = costs.stage_s.get("verify", 0.0)
-        if c1 > 0 and costs.verify_tokens > decode_tokens:
+        if c1 > 0 and costs.prefill_tokens:
             verify = min(verify, c0 + c1 * decode_tokens)
         return verify + sum(v for k, v in costs.stage_s.items() if k != "verify")
 
