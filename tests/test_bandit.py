@@ -230,12 +230,12 @@ def test_backoff_keeps_speculation_that_pays():
         assert gated_goodput > 0.95 * blind_goodput, (gated_goodput, blind_goodput)
 
 
-def _tree_share(c1: float, seed: int) -> float:
-    """Share of the second half of drafting choices that grow trees, 4 slots, where a tree adds 0.15 to the
+def _tree_share(c1: float, seed: int, slots: int = 4) -> float:
+    """Share of the second half of drafting choices that grow trees, where a tree adds 0.15 to the
     acceptance rate (0.5) and verifies 6 more rows at c1 seconds each."""
     world = World({"d": 0.5}, {"d": 0.0005}, c0=0.03, c1=c1, seed=seed, tree=(0.15, 6))
     policy = BanditPolicy(["d"], max_gamma=4, seed=seed, gated=frozenset({"d"}), trees={"d": 8})
-    picks = [c for c in run_requests(policy, world, n_requests=20, steps_per_request=30, slots=4) if c.drafter]
+    picks = [c for c in run_requests(policy, world, n_requests=20, steps_per_request=30, slots=slots) if c.drafter]
     late = picks[len(picks) // 2:]
     return sum(c.nodes > 0 for c in late) / len(late)
 
@@ -247,6 +247,14 @@ def test_trees_run_where_their_steps_measure_ahead_and_not_elsewhere(seed):
     refresh bursts. It judges by measured goodput, the tree's rows included (CostModel.decode_seconds)."""
     assert _tree_share(c1=0.0001, seed=seed) > 0.6
     assert _tree_share(c1=0.001, seed=seed) < 0.2
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_at_one_slot_trees_come_first_and_go_where_they_measure_behind(seed):
+    """At one decoding slot trees are the gate's favoured mode (TREES_FIRST_SLOTS): they run unless chains
+    measure ahead, as where a tree's 6 rows cost 60 ms on a ~40 ms step."""
+    assert _tree_share(c1=0.0001, seed=seed, slots=1) > 0.8
+    assert _tree_share(c1=0.01, seed=seed, slots=1) < 0.3
 
 
 def test_warm_start_reduces_exploration():

@@ -8,12 +8,13 @@ rates against the cost model, is joint.JointChoice; the cost model is costs.py; 
 step gate is gate.StepGate.
 
 Token trees: a drafter that grows trees (`trees`) gets its node budget with its choice, each node
-priced by the confidence floor. Whether trees are offered at all is a second StepGate (tree_gate)
-over the steps that speculate, chains in the gate's favoured mode: per batch size, trees run only
-while their steps measure more goodput than chains', by the gate's margin. The cost model prices a
-node's verified row, not all a tree spends (its draft rounds re-feed the tree, the tree rule and
-the compaction run per slot), and on this CPU the measured gap at 4 and 16 slots is a few percent
-either way (BENCHMARKS.md), which the outcome settles and the model cannot.
+priced by the confidence floor. Whether trees are offered at all is decided per batch size by
+StepGates over the steps that speculate, as the back-off decides speculation: the favoured mode
+runs unless the other one measures more goodput by the gate's margin. Trees are favoured at one
+decoding slot (TREES_FIRST_SLOTS), where rows are cheapest beside the step and trees measured ahead,
+chains above it, where they measured a few percent behind (BENCHMARKS.md, 2026-12-06 token trees):
+the cost model prices a node's verified row, not all a tree spends (its draft rounds re-feed the
+tree, the tree rule and the compaction run per slot), and a gap that small is the outcome's to settle.
 
 Warm start: new requests start from the pooled posterior of all requests so far, scaled down to
 a few pseudo-observations, so short requests do not pay for exploration.
@@ -38,6 +39,8 @@ from dataclasses import dataclass, field
 
 from .costs import CostModel, Pricing
 from .gate import StepGate
+
+TREES_FIRST_SLOTS = 1  # up to this many decoding slots, token trees are the tree gate's favoured mode
 from .joint import JointChoice
 from .policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
 
@@ -100,8 +103,9 @@ class BanditPolicy(Policy):
         self.pricing = Pricing([d for d in self.drafters if d in self.gated], self.cost)
         self.gate = StepGate() if self.backoff else None
         self._step: tuple[int, bool] | None = None  # (decoding slots, speculated) of the step being run
-        self.tree_gate = StepGate() if self.trees else None  # chains (True) or trees, per batch size
-        self._tree_step: tuple[int, bool] | None = None  # (decoding slots, chains only) of the step being run
+        # per batch size, whether trees run: the gate's True mode is trees at few slots, chains above
+        self.tree_gates = (StepGate(), StepGate()) if self.trees else None  # (trees first, chains first)
+        self._tree_step: tuple[int, bool, bool] | None = None  # (decoding slots, gate mode, trees) of this step
         self.draining = False  # the request stream is done (on_drain): see the module docstring
         # the drain's last verdict against drafting: the slots it covered, and steps since. In the drain
         # nothing is learnt while nothing drafts, so the verdict stands until a slot leaves (or a while).
@@ -131,8 +135,10 @@ class BanditPolicy(Policy):
             self._step = (len(slots), self.gate.decide(len(slots)))
             if not self._step[1]:
                 return [NO_SPEC] * len(slots)
-        if self.tree_gate is not None:
-            self._tree_step = (len(slots), self.tree_gate.decide(len(slots)))
+        if self.tree_gates is not None:
+            trees_first = len(slots) <= TREES_FIRST_SLOTS
+            mode = self.tree_gates[0 if trees_first else 1].decide(len(slots))
+            self._tree_step = (len(slots), mode, mode == trees_first)
         # a drafter whose cost is still unknown is tried by one slot, with a short draft: trying
         # it on every slot at once could stall the whole batch behind an expensive drafter
         # (not in the drain: a step that drafts for one slot only makes the job no shorter)
@@ -198,8 +204,8 @@ class BanditPolicy(Policy):
 
     def _nodes(self, drafter: str) -> int:
         """The drafter's tree budget this step: 0 (a chain) unless the tree gate runs trees."""
-        chains = self._tree_step is None or self._tree_step[1]
-        return 0 if chains else self.trees.get(drafter, 0)
+        trees = self._tree_step is not None and self._tree_step[2]
+        return self.trees.get(drafter, 0) if trees else 0
 
     def _rate(self, arm: Beta, steps: int) -> float:
         if self.mode == "thompson":
@@ -213,8 +219,9 @@ class BanditPolicy(Policy):
         gained, decode_s = self.pricing.learn(outcomes, costs)
         if self.gate is not None and self._step is not None:
             self.gate.observe(self._step[0], self._step[1], gained, decode_s)
-        if self.tree_gate is not None and self._tree_step is not None and (self._step is None or self._step[1]):
-            self.tree_gate.observe(self._tree_step[0], self._tree_step[1], gained, decode_s)
+        if self.tree_gates is not None and self._tree_step is not None and (self._step is None or self._step[1]):
+            n, mode, _ = self._tree_step
+            self.tree_gates[0 if n <= TREES_FIRST_SLOTS else 1].observe(n, mode, gained, decode_s)
         for o in outcomes:
             if o.choice.drafter is None or o.choice.gamma == 0:
                 continue
