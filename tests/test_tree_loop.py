@@ -116,6 +116,19 @@ def test_trees_chains_and_plain_slots_in_one_batch_equal_autoregressive(target, 
         assert seen["mixed"] > 0, seen
 
 
+@pytest.mark.parametrize("slots", [3, 8])
+def test_trees_in_pipelined_micro_batches_equal_autoregressive(target, reference, slots):
+    """Two micro-batches per step (spin.pipeline: on): the second drafts its trees while the first
+    verifies and compacts its own, slot by slot."""
+    from dataclasses import replace
+
+    loop = make_loop(target, slots, TreeShapes(NAMES), FACTORIES)
+    loop.cfg = replace(loop.cfg, pipeline=True)
+    seen = watch_plans(loop)
+    assert run(loop) == reference
+    assert seen["branching"] > 0, seen
+
+
 def test_an_agreeing_tree_drafter_is_accepted_whole(target, reference):
     """The target as its own draft: the first path of every tree is the target's, so each step accepts
     gamma tokens (the cache compaction keeps exactly the accepted path)."""
