@@ -142,10 +142,15 @@ def test_tree_attention_sees_only_ancestors():
 
 @pytest.mark.parametrize("parents", [TREE, WIDE, [-1, 0, 1, 2]], ids=["tree", "wide", "chain"])
 def test_tree_forward_matches_each_root_to_node_path(model, parents):
+    check_tree_forward(model, parents)
+
+
+def check_tree_forward(model, parents: list[int]) -> None:
+    """Every tree node against a plain forward of its root-to-node path, and the ordinary segments beside
+    the tree: their last rows against plain forwards of their sequences."""
     batch = Batch(model, parents)
     logits = batch.run(model)
     assert batch.worst_node_error(model, logits) < ATOL
-    # the ordinary segments beside it: their last rows against plain forwards of their sequences
     for slot, row in ((0, 2), (3, len(logits) - 1)):
         torch.testing.assert_close(logits[row], plain_last_logits(model, batch.others[slot]), atol=ATOL, rtol=0)
 
@@ -222,11 +227,7 @@ def test_c_attention_matches_reference_with_trees():
 
 @pytest.mark.parametrize("parents", [TREE, WIDE, [-1, 0, 1, 2]], ids=["tree", "wide", "chain"])
 def test_c_tree_forward_matches_each_root_to_node_path(c_model, parents):
-    batch = Batch(c_model, parents)
-    logits = batch.run(c_model)
-    assert batch.worst_node_error(c_model, logits) < ATOL
-    for slot, row in ((0, 2), (3, len(logits) - 1)):
-        torch.testing.assert_close(logits[row], plain_last_logits(c_model, batch.others[slot]), atol=ATOL, rtol=0)
+    check_tree_forward(c_model, parents)
 
 
 @pytest.mark.parametrize("parents", [TREE, WIDE], ids=["tree", "wide"])
