@@ -31,6 +31,7 @@ from .models import cpu_plan, loader
 from .models.distilled import TargetFeatures, draft_meta, load_draft
 from .models.hf_backend import TransformersModel
 from .models.llama import LlamaModel
+from .models.quantize import int8_copy
 from .records import Request
 from .sampling import SamplingParams
 from .selection.factory import make_policy
@@ -122,7 +123,14 @@ def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: tor
     embeds: dict[torch.dtype, torch.Tensor] = {}  # the target's embedding per draft dtype, shared by drafts
     for d in job.drafters:
         if isinstance(d, EarlyExitDrafterConfig):
-            drafters[d.name] = EarlyExitDrafter(d.name, target, target_cache, d.layers)
+            model = target
+            if d.quantize == "int8":
+                if not isinstance(target, LlamaModel):
+                    raise ValueError(f"drafter {d.name!r}: quantize: int8 copies a native target's weights")
+                state = loader.load_state_dict(loader.resolve_model_dir(job.target.model))
+                model = int8_copy(target, state, d.layers)
+                del state
+            drafters[d.name] = EarlyExitDrafter(d.name, target, target_cache, d.layers, model)
         elif isinstance(d, ModelDrafterConfig):
             draft_dir = loader.resolve_model_dir(d.model)
             meta = draft_meta(draft_dir)

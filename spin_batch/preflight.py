@@ -74,9 +74,13 @@ def check_models(job: JobConfig) -> list[str]:
         target_vocab = None
     for d in job.drafters:
         if isinstance(d, EarlyExitDrafterConfig):
-            p = check_layers(d.layers, loader.model_layers(target_dir, backend, target.trust_remote_code))
+            p = None if d.layers is None else check_layers(
+                d.layers, loader.model_layers(target_dir, backend, target.trust_remote_code))
             if p:
                 problems.append(f"drafters.{d.name}: {p}")
+            if d.quantize != "none" and backend != loader.NATIVE:
+                problems.append(f"drafters.{d.name}: quantize: {d.quantize} copies a native target's weights "
+                                "(target.backend: auto or native)")
         elif isinstance(d, ModelDrafterConfig):
             refs = loader.check_model_ref(d.model, d.backend, d.trust_remote_code, job.batch.max_model_len)
             if refs:

@@ -336,7 +336,7 @@ def test_required_drafter_fields():
     assert problems(raw) == (
         "drafters[0].name: missing required key",
         "drafters[0].model: missing required key",
-        "drafters[1].layers: missing required key",
+        "drafters[1].layers: missing required key (with quantize: int8 it defaults to all of the target's layers)",
     )
 
 
@@ -661,3 +661,15 @@ def test_max_line_bytes():
     raw["input"]["max_line_bytes"] = 0
     with pytest.raises(ConfigError, match="input.max_line_bytes: must be an integer >= 1"):
         parse_job(raw)
+
+
+def test_early_exit_layers_default_to_all_only_for_an_int8_copy():
+    raw = minimal()
+    raw["drafters"] = [{"name": "q8", "kind": "early_exit", "quantize": "int8"},
+                       {"name": "q8-12", "kind": "early_exit", "quantize": "int8", "layers": 12}]
+    q8, q8_12 = parse_job(raw).drafters
+    assert (q8.layers, q8.quantize, q8_12.layers) == (None, "int8", 12)
+    raw["drafters"] = [{"name": "ee", "kind": "early_exit"}]
+    assert single_problem(raw).startswith("drafters[0].layers: missing required key (with quantize: int8")
+    raw["drafters"] = [{"name": "ee", "kind": "early_exit", "layers": 2, "quantize": "int4"}]
+    assert single_problem(raw).startswith("drafters[0].quantize: ")

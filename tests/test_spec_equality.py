@@ -22,7 +22,9 @@ from spin_batch.selection.policy import Choice, Policy
 from spin_batch.sampling import SamplingParams
 from spin_batch.records import Completion, Request
 from spin_batch.models import execution
+from spin_batch.models.checkpoint import load_state_dict
 from spin_batch.models.loader import load_model, load_tokenizer
+from spin_batch.models.quantize import int8_copy
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog. the quick brown fox",
@@ -137,6 +139,14 @@ def early_exit_1(model, cache, slots):
     return EarlyExitDrafter("exit_1", model, cache, 1)
 
 
+def int8_self_factory(model_dir):
+    """The target's int8 copy as an early-exit draft over the target's cache (quantize: int8)."""
+    def int8_self(model, cache, slots):
+        return EarlyExitDrafter("int8", model, cache, None, int8_copy(model, load_state_dict(model_dir)))
+
+    return int8_self
+
+
 def self_model(model, cache, slots):
     """The target as its own separate model drafter (own cache): always agrees."""
     return ModelDrafter("self", model, model.allocate_cache(slots, cache.max_len))
@@ -178,6 +188,17 @@ def test_disagreeing_drafter_equals_autoregressive(target, reference, kind, slot
     loop = make_loop(target, slots, FixedDrafter(name, 4), [factory])
     assert run(loop) == reference
     assert loop.stats.summary()["drafters"][name]["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_int8_copy_of_the_target_drafts_losslessly(target, reference, tiny_dir, slots):
+    """Its K/V go into the target's cache past the committed tokens; verification overwrites them."""
+    loop = make_loop(target, slots, FixedDrafter("int8", 4), [int8_self_factory(tiny_dir)])
+    drafter = loop.drafters["int8"]
+    assert not drafter.gates and not drafter.trees and drafter.model is not target[0]
+    assert run(loop) == reference
+    stats = loop.stats.summary()["drafters"]["int8"]
+    assert stats["draft_tokens"] > 0 and stats["acceptance_rate"] > 0.5  # a close copy: most drafts hold
 
 
 @pytest.mark.parametrize("slots", [1, 3, 8])

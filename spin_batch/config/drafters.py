@@ -44,16 +44,23 @@ def _drafter_name(value: Any) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class EarlyExitDrafterConfig:
-    """Draft with the target's first ``layers`` layers (self-speculation)."""
+    """Draft with the target's first ``layers`` layers (self-speculation); with ``quantize: int8``, an int8
+    copy of them (then ``layers`` defaults to all of them)."""
 
     name: str
     kind: Literal["early_exit"] = "early_exit"
-    layers: int
+    layers: int | None = None
+    quantize: Literal["none", "int8"] = "none"
 
     @classmethod
     def _parse(cls, s: _Section, name: str) -> EarlyExitDrafterConfig:
-        # The upper bound (< number of target layers) is checked once the model is known.
-        return cls(name=name, layers=s.take("layers", _int(lo=1)))
+        # The upper bound (the number of target layers) is checked once the model is known.
+        layers = s.take("layers", _optional(_int(lo=1)))
+        quantize = s.take("quantize", _choice("none", "int8"))
+        if s.ok("layers", "quantize") and layers is None and quantize == "none":
+            s.errs.add(s.key_path("layers"), "missing required key (with quantize: int8 it defaults to all of "
+                       "the target's layers)")
+        return cls(name=name, layers=layers, quantize=quantize)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,5 @@
-"""Early-exit drafting: the target's first L layers, then its final norm and LM head.
+"""Early-exit drafting: the target's first L layers, then its final norm and LM head; or the same with
+int8 weights (`quantize: int8`, models/quantize.py), all layers by default.
 
 It shares the target's weights and the target's KV cache for those layers, so it costs no
 memory. The target cache holds every committed token but the last, for all layers, so each
@@ -23,11 +24,19 @@ def check_layers(layers: int, num_layers: int) -> str | None:
 class EarlyExitDrafter(ModelDrafter):
     kind = "early_exit"
 
-    def __init__(self, name: str, target: LlamaModel, target_cache: KVCache, layers: int):
-        problem = check_layers(layers, target.spec.num_layers)
+    def __init__(self, name: str, target: LlamaModel, target_cache: KVCache, layers: int | None,
+                 model: LlamaModel | None = None):
+        """layers None: all of them; model: the target by default, or a copy of its first layers with
+        other weights (quantize.int8_copy)."""
+        problem = None if layers is None else check_layers(layers, target.spec.num_layers)
         if problem:
             raise ValueError(f"drafter {name!r}: {problem}")
-        super().__init__(name, target, target_cache, num_layers=layers)
+        super().__init__(name, model or target, target_cache, num_layers=layers)
+        if model is not None and model is not target:
+            # A copy of the whole target agrees with it far more often than its own confidence says (it is as
+            # unsure as the target, and mostly unsure the same way): the bandit's gamma decides its length,
+            # not a confidence floor, and a chain beats a tree's width.
+            self.gates = self.trees = False
 
     def _start(self, r: DraftRequest) -> int:
         return len(r.tokens) - 1

@@ -142,6 +142,65 @@ void spin_gemm(const float *x, const float *wp, float *y, int64_t M, int64_t Op,
         FOR_BLOCKS(M, K, MICROS[r](x + m0 * K, wp, y + m0 * Op + UNIT * u, Op, K, k0, k1, u))
 }
 
+/* Int8 weights: y = (x @ q^T) * scale, q [O, K] int8 with one float32 scale per output row (a weight-only
+ * quantized copy of a model, for drafting: see quantize.py). The same panels, blocks and prefetch as the
+ * float32 GEMM; the micro-kernel widens VW int8 weights to float32 (vpmovsxbd + vcvtdq2ps) and multiplies
+ * in float32, and each output is scaled once at the end. A quarter of the float32 bytes stream per token. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline vw load_i8(const int8_t *p) { return (vw)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline vw load_i8(const int8_t *p) { return (vw)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+#else
+static inline vw load_i8(const int8_t *p) {
+    vw v;
+    for (int j = 0; j < VW; j++) v[j] = (float)p[j];
+    return v;
+}
+#endif
+#define LOAD_I8(p) load_i8(p) /* gcc's __builtin_convertvector widens int8 lane by lane */
+#define MICRO_I8(R) MICRO_T(microq, R, int8_t, float, LOAD_I8, AS_FLOAT)
+MICRO_I8(1) MICRO_I8(2) MICRO_I8(3)
+#if MR > 3
+MICRO_I8(4) MICRO_I8(5) MICRO_I8(6) MICRO_I8(7) MICRO_I8(8) MICRO_I8(9) MICRO_I8(10) MICRO_I8(11) MICRO_I8(12)
+#endif
+
+typedef void (*microq_t)(const float *, const int8_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t);
+static const microq_t MICROS_I8[MR + 1] = {0, microq_1, microq_2, microq_3,
+#if MR > 3
+                                           microq_4, microq_5, microq_6, microq_7, microq_8, microq_9, microq_10,
+                                           microq_11, microq_12
+#endif
+};
+
+/* w [O, K] int8 row-major -> wp [Op / 16][K][16] as spin_gemm_pack; rows O..Op-1 are zero. */
+void spin_gemm_pack_i8(const int8_t *w, int8_t *wp, int64_t O, int64_t K, int64_t Op) {
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < Op / 16; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < 16; j++) {
+                int64_t o = p * 16 + j;
+                wp[(p * K + k) * 16 + j] = o < O ? w[o * K + k] : 0;
+            }
+}
+
+/* y [M, Op] float32 = (x [M, K] float32 @ q^T) * scale [Op], q packed by spin_gemm_pack_i8. */
+void spin_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, int64_t M, int64_t Op, int64_t K) {
+    if (K == 0) {
+        for (int64_t i = 0; i < M * Op; i++) y[i] = 0.0f;
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < Op / UNIT; u++) {
+        FOR_BLOCKS(M, K, MICROS_I8[r](x + m0 * K, wp, y + m0 * Op + UNIT * u, Op, K, k0, k1, u))
+        for (int64_t m = 0; m < M; m++) {
+            vw *row = (vw *)(y + m * Op + UNIT * u);
+            for (int j = 0; j < NV; j++) row[j] *= *(const vw *)(scale + UNIT * u + j * VW);
+        }
+    }
+}
+
 static inline uint16_t to_bf16(float f);
 
 static inline float bf16_to_float(uint16_t h) {
@@ -664,6 +723,7 @@ typedef struct {
     const float *attn_norm, *mlp_norm;          /* [C] float32 */
     const void *qkv, *o, *gate_up, *down;       /* packed by spin_gemm_pack or spin_gemm_pack_bf16 */
     const void *qkv_bias;                       /* [(H + 2 KV) D] in the weights' dtype, or NULL */
+    const float *qkv_s, *o_s, *gate_up_s, *down_s; /* int8 weights (spin_gemm_pack_i8): the scales; else NULL */
 } spin_layer_t;
 
 typedef struct { /* the packed weights' padded output widths, the same in every layer */
@@ -679,8 +739,11 @@ static inline float load1(const void *p, int64_t i, int es) {
 }
 
 
-static void gemm(const void *x, const void *wp, void *y, int64_t M, int64_t Op, int64_t K, int es) {
-    if (es == 4)
+static void gemm(const void *x, const void *wp, const float *scale, void *y, int64_t M, int64_t Op, int64_t K,
+                 int es) {
+    if (scale) /* int8 weights, float32 rows (es 4) */
+        spin_gemm_i8((const float *)x, (const int8_t *)wp, scale, (float *)y, M, Op, K);
+    else if (es == 4)
         spin_gemm((const float *)x, (const float *)wp, (float *)y, M, Op, K);
     else
         spin_gemm_bf16((const uint16_t *)x, (const uint16_t *)wp, (uint16_t *)y, M, Op, K);
@@ -714,7 +777,7 @@ static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, co
     for (int64_t li = 0; li < L; li++) {
         const spin_layer_t *lw = &layers[li];
         norm_rows(h, lw->attn_norm, xn, N, C, eps, es);
-        gemm(xn, lw->qkv, qkv, N, qkv_w, C, es);
+        gemm(xn, lw->qkv, lw->qkv_s, qkv, N, qkv_w, C, es);
 #pragma omp parallel for schedule(static) if (N >= 16)
         for (int64_t m = 0; m < N; m++) { /* bias, then rotary embedding of the H + KV q/k heads */
             float x[256];
@@ -735,10 +798,10 @@ static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, co
                 : spin_attention((char *)qkv, qkv_w, (char *)qkv + H * D * es, qkv_w, (char *)qkv + (H + KV) * D * es,
                                  qkv_w, ck, cv, att, slot, pos, N, H, KV, D, max_len, es))
             return -1;
-        gemm(att, lw->o, y, N, Cp, H * D, es);
+        gemm(att, lw->o, lw->o_s, y, N, Cp, H * D, es);
         add_rows(h, y, N, C, Cp, es);
         norm_rows(h, lw->mlp_norm, xn, N, C, eps, es);
-        gemm(xn, lw->gate_up, gu, N, gu_w, C, es);
+        gemm(xn, lw->gate_up, lw->gate_up_s, gu, N, gu_w, C, es);
 #pragma omp parallel for schedule(static) if (N >= 16)
         for (int64_t m = 0; m < N; m++) /* silu(gate) * up; silu(g) = g / (1 + e^-g), e^-|g| never overflows */
             for (int64_t c0 = 0; c0 < I; c0 += VW) {
@@ -761,7 +824,7 @@ static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, co
                 else
                     for (int j = 0; j < n; j++) store1(xn, m * I + c0 + j, r[j], es);
             }
-        gemm(xn, lw->down, y, N, Cp, I, es);
+        gemm(xn, lw->down, lw->down_s, y, N, Cp, I, es);
         add_rows(h, y, N, C, Cp, es);
     }
     return 0;

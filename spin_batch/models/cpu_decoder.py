@@ -166,6 +166,8 @@ def _load() -> None:
         lib.spin_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.spin_gemm_pack_bf16.argtypes = lib.spin_gemm_pack.argtypes
         lib.spin_gemm_bf16.argtypes = lib.spin_gemm.argtypes
+        lib.spin_gemm_pack_i8.argtypes = lib.spin_gemm_pack.argtypes
+        lib.spin_gemm_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
         lib.spin_gemm_bf16_ok.argtypes = []
         lib.spin_gemm_bf16_ok.restype = ctypes.c_int
         lib.spin_attention.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5
@@ -185,7 +187,8 @@ def _load() -> None:
         lib.spin_decoder_scratch.restype = ctypes.c_int64
         lib.spin_isa.restype = ctypes.c_char_p
         lib.spin_gemm_bf16_native.restype = ctypes.c_int
-        for fn in (lib.spin_gemm_pack, lib.spin_gemm, lib.spin_gemm_pack_bf16, lib.spin_gemm_bf16, lib.spin_rms_norm):
+        for fn in (lib.spin_gemm_pack, lib.spin_gemm, lib.spin_gemm_pack_bf16, lib.spin_gemm_bf16, lib.spin_gemm_pack_i8,
+                   lib.spin_gemm_i8, lib.spin_rms_norm):
             fn.restype = None
     except (CpuDecoderUnavailable, OSError, subprocess.SubprocessError) as e:
         _state["lib"], _state["error"] = None, str(e)
@@ -210,27 +213,39 @@ def reset() -> None:
 
 
 class PanelWeight:
-    """A [out, in] float32 or bfloat16 weight packed for spin_gemm / spin_gemm_bf16; called on x [M, in],
-    returns [M, out] in the weight's dtype."""
+    """A [out, in] float32 or bfloat16 weight packed for spin_gemm / spin_gemm_bf16, or an int8 one with a
+    float32 scale per output row (spin_gemm_i8: y = (x @ weight^T) * scale); called on x [M, in], returns
+    [M, out] in act_dtype: the weight's dtype, float32 for int8."""
 
-    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor):
+    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, scale: torch.Tensor | None = None):
         self.lib = lib
         self.dtype = weight.dtype
+        int8 = self.dtype == torch.int8
+        if int8 != (scale is not None):
+            raise ValueError("PanelWeight: an int8 weight takes a scale per output row, and only it")
+        self.act_dtype = torch.float32 if int8 else self.dtype
         bf16 = self.dtype == torch.bfloat16
-        pack = lib.spin_gemm_pack_bf16 if bf16 else lib.spin_gemm_pack
-        self.gemm = lib.spin_gemm_bf16 if bf16 else lib.spin_gemm
+        pack = lib.spin_gemm_pack_i8 if int8 else lib.spin_gemm_pack_bf16 if bf16 else lib.spin_gemm_pack
         self.out_features, self.in_features = weight.shape
         self.padded = -(-self.out_features // PANEL) * PANEL
         w = weight.detach().contiguous()
         self.packed = torch.empty(self.padded * self.in_features, dtype=self.dtype)
         pack(w.data_ptr(), self.packed.data_ptr(), self.out_features, self.in_features, self.padded)
+        self.scale = None
+        if int8:
+            self.scale = torch.zeros(self.padded, dtype=torch.float32)
+            self.scale[: self.out_features] = scale.float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.dtype).contiguous()  # the C code reads rows of the weight's dtype; a no-op in the loop
+        x = x.to(self.act_dtype).contiguous()  # the C code reads rows of this dtype; a no-op in the loop
         M = x.shape[0]
-        y = torch.empty(M, self.padded, dtype=self.dtype)
-        if M:
-            self.gemm(x.data_ptr(), self.packed.data_ptr(), y.data_ptr(), M, self.padded, self.in_features)
+        y = torch.empty(M, self.padded, dtype=self.act_dtype)
+        if M and self.scale is not None:
+            self.lib.spin_gemm_i8(x.data_ptr(), self.packed.data_ptr(), self.scale.data_ptr(), y.data_ptr(), M,
+                                  self.padded, self.in_features)
+        elif M:
+            gemm = self.lib.spin_gemm_bf16 if self.dtype == torch.bfloat16 else self.lib.spin_gemm
+            gemm(x.data_ptr(), self.packed.data_ptr(), y.data_ptr(), M, self.padded, self.in_features)
         return y if self.padded == self.out_features else y[:, : self.out_features]
 
 
@@ -254,13 +269,14 @@ def _amx() -> bool:
     return bool(is_amx and is_amx() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def panel_weight(weight: torch.Tensor) -> PanelWeight | None:
+def panel_weight(weight: torch.Tensor, scale: torch.Tensor | None = None) -> PanelWeight | None:
     """weight packed for the kernel, when it applies and is available; else None.
 
-    It applies to 2-D CPU weights in float32, and in bfloat16 where the input width is even (the kernel
-    reads inputs in pairs), except inside throughput_gemm() on an AMX CPU.
+    It applies to 2-D CPU weights in float32, in int8 with scale (PanelWeight), and in bfloat16 where the
+    input width is even (the kernel reads inputs in pairs), except inside throughput_gemm() on an AMX CPU.
     """
-    if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
+    dtypes = (torch.int8,) if scale is not None else (torch.float32, torch.bfloat16)
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in dtypes:
         return None
     if weight.dtype == torch.bfloat16 and _throughput.get() and _amx():
         return None
@@ -269,7 +285,7 @@ def panel_weight(weight: torch.Tensor) -> PanelWeight | None:
         return None
     if weight.dtype == torch.bfloat16 and (not lib.spin_gemm_bf16_ok() or weight.shape[1] % 2):
         return None
-    return PanelWeight(lib, weight)
+    return PanelWeight(lib, weight, scale)
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -346,7 +362,8 @@ def _check_anc(anc: torch.Tensor | None, N: int, what: str) -> None:
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", ctypes.c_void_p),
                 ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
-                ("qkv_bias", ctypes.c_void_p)]
+                ("qkv_bias", ctypes.c_void_p), ("qkv_s", ctypes.c_void_p), ("o_s", ctypes.c_void_p),
+                ("gate_up_s", ctypes.c_void_p), ("down_s", ctypes.c_void_p)]
 
 
 class _Widths(ctypes.Structure):
@@ -364,7 +381,7 @@ class Decoder:
                  eps: float):
         self.lib = lib
         self.H, self.KV, self.D, self.I, self.eps = heads, kv_heads, head_dim, intermediate, eps
-        self.dtype = layers[0].qkv.panel.dtype
+        self.dtype = layers[0].qkv.panel.act_dtype  # of the rows and the cache (float32 with int8 weights)
         self.es = ATTENTION_DTYPES[self.dtype]
         first = layers[0]
         self.widths = _Widths(first.qkv.panel.padded, first.gate_up.panel.padded, first.o.panel.padded)
@@ -377,12 +394,16 @@ class Decoder:
             st.attn_norm, st.mlp_norm = norms[0].data_ptr(), norms[1].data_ptr()
             st.qkv, st.o = lw.qkv.panel.packed.data_ptr(), lw.o.panel.packed.data_ptr()
             st.gate_up, st.down = lw.gate_up.panel.packed.data_ptr(), lw.down.panel.packed.data_ptr()
+            if lw.qkv.panel.scale is not None:
+                st.qkv_s, st.o_s = lw.qkv.panel.scale.data_ptr(), lw.o.panel.scale.data_ptr()
+                st.gate_up_s, st.down_s = lw.gate_up.panel.scale.data_ptr(), lw.down.panel.scale.data_ptr()
             st.qkv_bias = None if bias is None else bias.data_ptr()
 
     @staticmethod
     def applies(lib: ctypes.CDLL, layers, dtype: torch.dtype) -> bool:
-        """All four linears of every layer on the panel GEMM in the model's dtype, one shape for all (o
-        and down both give the hidden size, so their padded widths agree)."""
+        """All four linears of every layer on the panel GEMM in the model's dtype (int8 weights in a float32
+        model), one shape and storage for all (o and down both give the hidden size, so their padded widths
+        agree)."""
         if not layers or dtype not in ATTENTION_DTYPES:
             return False
         first = layers[0]
@@ -391,7 +412,8 @@ class Decoder:
         for lw in layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 lin, ref = getattr(lw, name), getattr(first, name)
-                if lin.panel is None or lin.panel.dtype != dtype or lin.panel.padded != ref.panel.padded:
+                if (lin.panel is None or lin.panel.act_dtype != dtype or lin.panel.dtype != ref.panel.dtype
+                        or lin.panel.padded != ref.panel.padded):
                     return False
             if lw.o.bias is not None or lw.gate_up.bias is not None or lw.down.bias is not None:
                 return False

@@ -20,6 +20,7 @@ from .attention import AttentionPlan, attention
 from .cache import KVCache
 from .execution import DEFAULT_C, TORCH, CpuPlan, Execution
 from .segments import Segments
+from .quantize import quantize_rows
 from .spec import (EMBED_TENSOR, HEAD_TENSOR, CheckpointError, ModelSpec, UnsupportedModelError, expected_tensors,
                    tensor_problem, window_problem)
 
@@ -88,11 +89,22 @@ class Linear:
     into oneDNN's blocked layout where oneDNN takes its dtype on this CPU, and runs on torch's F.linear
     where it does not (bfloat16 without AVX-512: slower, but it runs; said once). Other devices use
     F.linear. panel=None: the C path wherever it applies.
+
+    quantize: int8 weights with a scale per output row (quantize.py), for drafts: on the C path in a float32
+    model (spin_gemm_i8), else widened to the input's dtype per call (correct, not faster).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, panel: bool | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, panel: bool | None = None,
+                 quantize: bool = False):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        self.scale = None  # int8 weights off the C path: the scale per output row
+        if quantize:
+            self.packed = False
+            q, scale = quantize_rows(weight)
+            self.panel = cpu_decoder.panel_weight(q, scale) if panel is not False and weight.dtype == torch.float32 else None
+            self.weight, self.scale = (None, None) if self.panel is not None else (q, scale.to(weight.dtype))
+            return
         self.panel = cpu_decoder.panel_weight(weight) if panel is not False else None
         cpu = weight.device.type == "cpu"
         self.packed = self.panel is None and cpu and onednn_takes(weight.dtype)
@@ -112,6 +124,9 @@ class Linear:
             return y if self.bias is None else y.add_(self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
+        if self.scale is not None:
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scale
+            return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -148,6 +163,7 @@ class LlamaModel:
         lm_head: torch.Tensor,  # [V, C], or [K, C] over a vocabulary subset (see vocab_ids)
         max_len: int | None = None,
         embed_proj: torch.Tensor | None = None,  # [C, E]: embeddings of width E projected to C
+        quantize: bool = False,  # the LM head in int8 (Linear); the layers' linears say their own
         vocab_ids: torch.Tensor | None = None,  # [K] long: target id of each lm_head row
         plan: CpuPlan | None = None,  # the CPU path (cpu_plan.py); None: the C kernels wherever they apply
         execution: Execution | None = None,  # the job's kernels (execution.py); None: Execution()
@@ -168,7 +184,8 @@ class LlamaModel:
             lw.attn_norm, lw.mlp_norm = lw.attn_norm.float(), lw.mlp_norm.float()
         self.layers = layers
         self.norm = norm.float()
-        self.lm_head = Linear(lm_head, panel=None if self.plan is DEFAULT_C else self.plan.lm_head == "c")
+        self.lm_head = Linear(lm_head, panel=None if self.plan is DEFAULT_C else self.plan.lm_head == "c",
+                              quantize=quantize)
         self.dtype = embed.dtype
         self.device = embed.device
         self.kernels = triton_kernels(self.execution)  # Triton kernels, or None for the torch path
@@ -219,11 +236,13 @@ class LlamaModel:
         return cls(spec, embed, layers, get("model.norm.weight"), head, plan=plan, execution=execution)
 
     @staticmethod
-    def layers_from_state_dict(spec: ModelSpec, get, panel: bool | None = None) -> list[LayerWeights]:
-        """The decoder layers, fused (qkv, gate_up), from the tensors layer_tensors(spec) names; get(name) returns
-        a tensor on the target device; panel as for Linear."""
+    def layers_from_state_dict(spec: ModelSpec, get, panel: bool | None = None, quantize: bool = False,
+                               num_layers: int | None = None) -> list[LayerWeights]:
+        """The first num_layers (default all) decoder layers, fused (qkv, gate_up), from the tensors
+        layer_tensors(spec) names; get(name) returns a tensor on the target device; panel and quantize as
+        for Linear."""
         layers = []
-        for i in range(spec.num_layers):
+        for i in range(num_layers or spec.num_layers):
             p = f"model.layers.{i}."
             wqkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
             bqkv = None
@@ -234,11 +253,11 @@ class LlamaModel:
             layers.append(
                 LayerWeights(
                     attn_norm=get(p + "input_layernorm.weight"),
-                    qkv=Linear(wqkv, bqkv, panel),
-                    o=Linear(get(p + "self_attn.o_proj.weight"), bo, panel),
+                    qkv=Linear(wqkv, bqkv, panel, quantize=quantize),
+                    o=Linear(get(p + "self_attn.o_proj.weight"), bo, panel, quantize=quantize),
                     mlp_norm=get(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(w_gate_up, panel=panel),
-                    down=Linear(get(p + "mlp.down_proj.weight"), panel=panel),
+                    gate_up=Linear(w_gate_up, panel=panel, quantize=quantize),
+                    down=Linear(get(p + "mlp.down_proj.weight"), panel=panel, quantize=quantize),
                 )
             )
         return layers

@@ -1,0 +1,101 @@
+"""Int8 weight-only copies (spin_batch/models/quantize.py) and their C GEMM (spin_gemm_i8): values against a
+float64 reference, batch independence, the torch fallback, the whole-model copy on both CPU paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spin_batch.models import cpu_decoder, execution
+from spin_batch.models.checkpoint import load_state_dict
+from spin_batch.models.llama import Linear
+from spin_batch.models.loader import load_model
+from spin_batch.models.quantize import int8_copy, quantize_rows
+from spin_batch.models.segments import Segments
+
+
+@pytest.fixture
+def lib():
+    lib = cpu_decoder.library()
+    if lib is None:
+        pytest.fail("the C decoder library did not build here; the set-up needs a C compiler (cc)")
+    return lib
+
+
+def test_quantize_rows_rounds_each_row_to_its_own_scale():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 70, generator=g) * torch.logspace(-3, 2, 40)[:, None]
+    w[7] = 0.0  # an all-zero row keeps a finite scale and zero weights
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and scale.shape == (40,) and torch.isfinite(scale).all()
+    assert q.abs().max() <= 127 and (q.abs().amax(dim=1)[torch.arange(40) != 7] == 127).all()
+    assert (q[7] == 0).all()
+    err = (q.float() * scale[:, None] - w).abs()
+    assert (err <= scale[:, None] / 2 * (1 + 1e-5)).all()  # round to nearest: half a step at most
+
+
+@pytest.mark.parametrize("M,O,K", [(1, 64, 64), (5, 960, 576), (13, 100, 70), (30, 33, 2), (0, 64, 8)])
+def test_int8_gemm_matches_float64_reference(lib, M, O, K):
+    g = torch.Generator().manual_seed(M * 1000 + O + K)
+    w, x = torch.randn(O, K, generator=g), torch.randn(M, K, generator=g)
+    q, scale = quantize_rows(w)
+    y = cpu_decoder.PanelWeight(lib, q, scale)(x)
+    assert y.shape == (M, O) and y.dtype == torch.float32
+    ref = (x.double() @ q.double().T) * scale.double()
+    bound = (K + 1) * 1.2e-7 * (x.double().abs() @ q.double().abs().T) * scale.double() + 1e-30
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+def test_int8_rows_result_does_not_depend_on_its_batch(lib):
+    g = torch.Generator().manual_seed(7)
+    q, scale = quantize_rows(torch.randn(3072, 576, generator=g))
+    x = torch.randn(29, 576, generator=g)
+    pw = cpu_decoder.PanelWeight(lib, q, scale)
+    full = pw(x)
+    for lo, hi in [(0, 1), (3, 4), (5, 10), (12, 25), (0, 29)]:
+        assert torch.equal(pw(x[lo:hi]), full[lo:hi]), (lo, hi)
+
+
+def test_an_int8_panel_needs_its_scale_and_only_it(lib):
+    q, scale = quantize_rows(torch.randn(32, 16))
+    with pytest.raises(ValueError, match="scale"):
+        cpu_decoder.PanelWeight(lib, q)
+    with pytest.raises(ValueError, match="scale"):
+        cpu_decoder.PanelWeight(lib, torch.randn(32, 16), scale)
+
+
+def test_quantized_linear_on_c_and_torch_paths_agree_with_its_int8_weights(lib):
+    g = torch.Generator().manual_seed(3)
+    w, b, x = torch.randn(50, 40, generator=g), torch.randn(50, generator=g), torch.randn(3, 40, generator=g)
+    q, scale = quantize_rows(w)
+    want = torch.nn.functional.linear(x, q.float() * scale[:, None], b)
+    c_path, torch_path = Linear(w, b, quantize=True), Linear(w, b, panel=False, quantize=True)
+    assert c_path.panel is not None and c_path.panel.dtype == torch.int8 and c_path.weight is None
+    assert torch_path.panel is None and torch_path.weight.dtype == torch.int8
+    for lin in (c_path, torch_path):
+        torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+    # a bfloat16 model's copy keeps int8 storage and runs in its dtype off the C path
+    bf = Linear(w.bfloat16(), quantize=True)
+    assert bf.panel is None and bf(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_int8_copy_of_a_model_is_close_to_it_and_shares_its_embedding(tiny_dir, path):
+    """The copy runs on the C kernels wherever the job lets the CPU use them (target.kernels torch: off),
+    whichever path the target's float32 plan measured faster: int8 has no fast torch path."""
+    target = load_model(tiny_dir, plan=execution.forced(path), execution=execution.Execution(cpu=path))
+    on_planned_torch = int8_copy(load_model(tiny_dir, plan=execution.forced("torch")), load_state_dict(tiny_dir))
+    assert on_planned_torch.c_decoder is not None
+    copy = int8_copy(target, load_state_dict(tiny_dir))
+    assert copy.embed is target.embed and len(copy.layers) == target.spec.num_layers
+    assert (copy.c_decoder is not None) == (path == "c")
+    assert (copy.lm_head.panel is not None) == (path == "c")
+    short = int8_copy(target, load_state_dict(tiny_dir), num_layers=1)
+    assert len(short.layers) == 1
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, target.spec.vocab_size, (24,), generator=g)
+    seg = Segments.build([(0, 24, 0)])
+    want = target.forward(tokens, seg, target.allocate_cache(1, 64))
+    got = copy.forward(tokens, seg, copy.allocate_cache(1, 64))
+    assert not torch.equal(got, want)  # really quantized
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
