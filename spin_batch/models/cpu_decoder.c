@@ -84,8 +84,10 @@ static inline int64_t unit_at(int64_t u, int64_t K, int64_t k, int j) {
         for (int m = 0; m < R; m++)                                                                      \
             for (int j = 0; j < NV; j++) a[m][j] = k0 ? *(const vw *)(acc + m * lda + j * VW) : (vw){0}; \
         for (int64_t k = k0; k < k1; k++) {                                                              \
-            __builtin_prefetch(wp + unit_at(u, K, k + PF, 0), 0, 3);                                     \
-            __builtin_prefetch(wp + unit_at(u, K, k + PF, NV - 1), 0, 3);                                \
+            if (((k - k0) & (64 / (16 * (int)sizeof(WT)) - 1)) == 0) { /* once per 64-byte line */     \
+                __builtin_prefetch(wp + unit_at(u, K, k + PF, 0), 0, 3);                                 \
+                __builtin_prefetch(wp + unit_at(u, K, k + PF, NV - 1), 0, 3);                            \
+            }                                                                                            \
             vw w[NV];                                                                                    \
             for (int j = 0; j < NV; j++) w[j] = LOADW(wp + unit_at(u, K, k, j));                         \
             for (int m = 0; m < R; m++) {                                                                \
