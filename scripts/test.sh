@@ -17,5 +17,5 @@ if [ $# -eq 0 ] && [ "$(uname -m)" = x86_64 ]; then
   echo "== again on the x86-64-v3 build, torch held to AVX2 (a CPU without AVX-512) =="
   SPIN_BATCH_CPU_ARCH=x86-64-v3 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 "$PYTEST" -q \
     tests/test_cpu_decoder.py tests/test_cpu_plan.py tests/test_llama.py tests/test_spec_equality.py tests/test_distill.py \
-    tests/test_tree_attention.py tests/test_tree_loop.py
+    tests/test_tree_attention.py tests/test_tree_loop.py tests/test_quantize.py
 fi

@@ -476,3 +476,17 @@ def test_the_drain_stops_drafting_unless_every_slot_pays():
     policy.on_drain()
     assert all(c.gamma == 0 for c in policy.choose([0, 1], [8, 8]))
     assert policy.choose([0], [8])[0].gamma > 0  # the last request alone: its drafts shorten the job
+
+
+def test_exploration_is_charged_to_the_pooled_evidence():
+    """A drafter the pool knows well keeps a small bonus in a fresh request; one it barely knows, a large one.
+    (Before, the bonus came from the request's own observations alone, so every new request re-explored
+    every drafter from a bonus of the same size.)"""
+    policy = BanditPolicy(["known", "new"], max_gamma=4)
+    policy.pooled["known"] = Beta(1.0 + 600, 1.0 + 400)  # 0.6 over a thousand observations
+    policy.pooled["new"] = Beta(1.0 + 3, 1.0 + 2)  # 0.6 over five
+    policy.on_admit(0)
+    arms = policy.requests[0].arms
+    known = policy._rate(arms["known"], policy.pooled["known"]) - arms["known"].mean
+    new = policy._rate(arms["new"], policy.pooled["new"]) - arms["new"].mean
+    assert 0 < known < 0.05 < 0.3 < new, (known, new)

@@ -19,6 +19,15 @@ tree, the tree rule and the compaction run per slot), and a gap that small is th
 Warm start: new requests start from the pooled posterior of all requests so far, scaled down to
 a few pseudo-observations, so short requests do not pay for exploration.
 
+Exploration (ucb) is charged to the pool: a drafter's bonus shrinks with the evidence pooled over all
+requests (its pooled posterior plus the request's own), not only with the request's own few
+observations. Each request exploits its own posterior, but a drafter the job already knows well is
+not explored again in every new request. A bonus on a rate flatters a cheap draft far more than a
+costly one that is nearly always right (the int8 copy of the target: its value at 0.999 is hardly
+above its value at 0.95), so per-request exploration kept taking cheap drafts in its place: paired
+in one bench, 1.76x against 1.68x autoregressive at 1 slot and 1.34x against 1.27x at 4
+(BENCHMARKS.md, the int8 copy).
+
 Drain: once the request stream is done (Policy.on_drain), a token no longer frees a slot for the
 next request, and the job ends when its last request does. Any running request may be that one,
 so a step shortens the job only by the progress of its slowest slot: the drain values the joint
@@ -189,7 +198,7 @@ class BanditPolicy(Policy):
             return {}
         joint = JointChoice(
             caps=[cap for _, _, cap in open_],
-            rates=[{d: self._rate(arm, req.steps) for d, arm in req.arms.items()} for _, req, _ in open_],
+            rates=[{d: self._rate(arm, self.pooled[d]) for d, arm in req.arms.items()} for _, req, _ in open_],
             means=[{d: arm.mean for d, arm in req.arms.items()} for _, req, _ in open_],
             coeffs={d: self.cost.draft_coeffs(d) for d in self.drafters},
             goes_on={d: self.pricing.goes_on(d) for d in self.drafters}, verify_price=verify_price, lam=lam)
@@ -207,11 +216,18 @@ class BanditPolicy(Policy):
         trees = self._tree_step is not None and self._tree_step[2]
         return self.trees.get(drafter, 0) if trees else 0
 
-    def _rate(self, arm: Beta, steps: int) -> float:
+    def _rate(self, arm: Beta, pooled: Beta) -> float:
+        """The drafter-choosing rate: ucb, the request's mean plus a bonus for how little the pool and the
+        request know of the drafter (see the module docstring); thompson, a draw from the request's posterior."""
         if self.mode == "thompson":
             return self.rng.betavariate(arm.alpha, arm.beta)
-        bonus = self.exploration * math.sqrt(math.log(steps + 1.0) / arm.n)
+        bonus = self.exploration * math.sqrt(math.log(self._evidence + 1.0) / (pooled.n + arm.n))
         return min(arm.mean + bonus, 0.999)
+
+    @property
+    def _evidence(self) -> float:
+        """Observations pooled so far over every drafter (beyond each pooled posterior's Beta(1, 1))."""
+        return sum(b.n - 2.0 for b in self.pooled.values())
 
     # -- learn ------------------------------------------------------------------------------
 

@@ -49,6 +49,30 @@ static void gemm_f32(void) {
     check(same, "float32 GEMM: a row alone equals the row in a batch of 13");
 }
 
+static void gemm_i8(void) {
+    enum { M = 13, O = 100, K = 300, OP = 128 };
+    static int8_t w[O * K], wp[OP * K];
+    static float scale[OP], x[M * K], y[M * OP], y1[OP];
+    for (int i = 0; i < O * K; i++) w[i] = (int8_t)(rand() % 255 - 127);
+    for (int o = 0; o < OP; o++) scale[o] = o < O ? 0.001f * (1 + o % 7) : 0.0f;
+    for (int i = 0; i < M * K; i++) x[i] = rnd();
+    spin_gemm_pack_i8(w, wp, O, K, OP);
+    spin_gemm_i8(x, wp, scale, y, M, OP, K);
+    int ok = 1, same = 1;
+    for (int m = 0; m < M; m++)
+        for (int o = 0; o < O; o++) {
+            double ref = 0, mag = 0;
+            for (int k = 0; k < K; k++) ref += (double)x[m * K + k] * w[o * K + k], mag += fabs((double)x[m * K + k] * w[o * K + k]);
+            if (fabs(y[m * OP + o] - ref * scale[o]) > (K + 1) * 1.2e-7 * mag * scale[o] + 1e-30) ok = 0;
+        }
+    for (int m = 0; m < M; m++) {
+        spin_gemm_i8(x + m * K, wp, scale, y1, 1, OP, K);
+        if (memcmp(y1, y + m * OP, O * sizeof(float))) same = 0;
+    }
+    check(ok, "int8 GEMM matches the double reference");
+    check(same, "int8 GEMM: a row alone equals the row in a batch of 13");
+}
+
 static void gemm_bf16(void) {
     enum { M = 13, O = 100, K = 300, OP = 128 }; /* K spans three of the GEMM's k-blocks */
     static uint16_t w[O * K], wp[OP * K], x[M * K], y[M * OP], y1[OP];
@@ -172,6 +196,7 @@ static void tree_attention(void) {
 int main(void) {
     srand(1);
     gemm_f32();
+    gemm_i8();
     gemm_bf16();
     norm();
     attention();
