@@ -776,6 +776,16 @@ def test_validate_model_checks(tmp_path, tiny_dir, tiny_draft_dir, other_tokeniz
     assert result.exit_code != 0 and "does not match the target's tokenizer" in result.output, _describe(result)
     assert not part_files(tmp_path / "out-mismatch")
 
+    # the int8 copy: all layers by default; its layers checked like any early exit; a native target only
+    assert _validate(job_with("q8", [{"name": "q8", "kind": "early_exit", "quantize": "int8"}])).exit_code == 0
+    result = _validate(job_with("q8deep", [{"name": "q8", "kind": "early_exit", "quantize": "int8", "layers": 9}]))
+    assert result.exit_code != 0 and "got 9" in result.output, _describe(result)
+    job, _ = make_job(tmp_path, tiny_dir, [src], name="q8hf", target={"backend": "transformers"},
+                      drafters=[{"name": "q8", "kind": "early_exit", "quantize": "int8"}])
+    result = _validate(job)
+    assert result.exit_code != 0 and "quantize: int8 copies a native target's weights" in result.output, \
+        _describe(result)
+
     no_model = job_with("nomodel", [], model=tmp_path / "no-such-model")
     result = _validate(no_model)
     assert result.exit_code != 0 and "not a model directory" in result.output, _describe(result)
@@ -915,3 +925,20 @@ def test_stop_strings_truncate_text(tmp_path, tiny_dir):
         assert steps + spec[i]["num_accepted_draft_tokens"] <= spec[i]["completion_tokens"] <= \
             steps + 1 + spec[i]["num_accepted_draft_tokens"], spec[i]
     assert any(spec[i]["num_accepted_draft_tokens"] > spec[i]["num_spec_steps"] for i in ids)  # several a step
+
+
+def test_the_int8_copy_of_the_target_drafts_and_the_text_is_the_targets(tmp_path, tiny_dir):
+    """`quantize: int8` end to end through `run`: the copy is built from the target's checkpoint, drafts
+    most of the tokens, and every row's text is plain decoding's."""
+    src = write_jsonl(tmp_path / "in" / "prompts.jsonl", prompt_rows(6))
+    plain, plain_out = make_job(tmp_path, tiny_dir, [src], name="plain")
+    q8, q8_out = make_job(tmp_path, tiny_dir, [src], name="q8",
+                          drafters=[{"name": "q8", "kind": "early_exit", "quantize": "int8"}],
+                          spin={"selector": "fixed:q8", "num_speculative_tokens": 4})
+    run_ok(plain)
+    run_ok(q8)
+    ids = [f"r{i:03d}" for i in range(6)]
+    want, got = assert_each_id_once(plain_out, ids), assert_each_id_once(q8_out, ids)
+    assert all(got[i]["text"] == want[i]["text"] for i in ids)
+    stats = json.loads((q8_out / "summary.json").read_text())["drafters"]["q8"]
+    assert stats["draft_tokens"] > 0 and stats["acceptance_rate"] > 0.5, stats
