@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from . import cpu_decoder
+from .execution import TORCH, CpuPlan
 from .spec import EMBED_TENSOR, HEAD_TENSOR
 
 INT8_MAX = 127
+INT8_C = CpuPlan("c", "c", "int8 weights: the C int8 GEMM, the one fast path for them (not measured)")
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,8 +40,11 @@ def int8_copy(target, state_dict: dict[str, torch.Tensor], num_layers: int | Non
     def get(name: str) -> torch.Tensor:
         return state_dict[name].to(device=target.device, dtype=target.dtype)
 
-    panel = False if target.execution.cpu == "torch" else None  # the job's CPU path, as the target's
-    layers = LlamaModel.layers_from_state_dict(target.spec, get, panel, quantize=True, num_layers=num_layers)
+    # The C int8 GEMM wherever the job lets the CPU use C (target.kernels torch: off): int8 has no fast torch
+    # path, so the target's measured float32 plan does not apply.
+    c = target.device.type == "cpu" and target.execution.cpu != "torch" and cpu_decoder.library() is not None
+    plan = INT8_C if c else TORCH
+    layers = LlamaModel.layers_from_state_dict(target.spec, get, c, quantize=True, num_layers=num_layers)
     head = get(HEAD_TENSOR if HEAD_TENSOR in state_dict else EMBED_TENSOR)
-    return LlamaModel(target.spec, target.embed, layers, target.norm, head, quantize=True,
+    return LlamaModel(target.spec, target.embed, layers, target.norm, head, quantize=True, plan=plan,
                       execution=target.execution)
