@@ -31,7 +31,6 @@ from .models import cpu_plan, loader
 from .models.distilled import TargetFeatures, draft_meta, load_draft
 from .models.hf_backend import TransformersModel
 from .models.llama import LlamaModel
-from .models.quantize import int8_copy
 from .records import Request
 from .sampling import SamplingParams
 from .selection.factory import make_policy
@@ -128,7 +127,7 @@ def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: tor
                 if not isinstance(target, LlamaModel):
                     raise ValueError(f"drafter {d.name!r}: quantize: int8 copies a native target's weights")
                 state = loader.load_state_dict(loader.resolve_model_dir(job.target.model))
-                model = int8_copy(target, state, d.layers)
+                model = target.int8_copy(state, d.layers)
                 del state
             drafters[d.name] = EarlyExitDrafter(d.name, target, target_cache, d.layers, model)
         elif isinstance(d, ModelDrafterConfig):

@@ -108,6 +108,17 @@ def build_tiny_model(
     return out
 
 
+@pytest.fixture
+def lib():
+    """The C kernels' library (cpu_decoder.c), built for this machine; a failed build fails the test."""
+    from spin_batch.models import cpu_decoder
+
+    lib = cpu_decoder.library()
+    if lib is None:
+        pytest.fail("the C decoder library did not build here; the set-up needs a C compiler (cc)")
+    return lib
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

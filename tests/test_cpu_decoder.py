@@ -11,14 +11,6 @@ from spin_batch.models import llama
 from spin_batch.models.llama import Linear
 
 
-@pytest.fixture
-def lib():
-    lib = cpu_decoder.library()
-    if lib is None:
-        pytest.fail("the C decoder library did not build here; the set-up needs a C compiler (cc)")
-    return lib
-
-
 SHAPES = [(1, 64, 64), (5, 960, 576), (13, 100, 70), (30, 33, 2), (80, 320, 136), (0, 64, 8)]
 
 

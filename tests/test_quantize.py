@@ -10,16 +10,8 @@ from spin_batch.models import cpu_decoder, execution
 from spin_batch.models.checkpoint import load_state_dict
 from spin_batch.models.llama import Linear
 from spin_batch.models.loader import load_model
-from spin_batch.models.quantize import int8_copy, quantize_rows
+from spin_batch.models.quantize import quantize_rows
 from spin_batch.models.segments import Segments
-
-
-@pytest.fixture
-def lib():
-    lib = cpu_decoder.library()
-    if lib is None:
-        pytest.fail("the C decoder library did not build here; the set-up needs a C compiler (cc)")
-    return lib
 
 
 def test_quantize_rows_rounds_each_row_to_its_own_scale():
@@ -84,13 +76,13 @@ def test_int8_copy_of_a_model_is_close_to_it_and_shares_its_embedding(tiny_dir, 
     """The copy runs on the C kernels wherever the job lets the CPU use them (target.kernels torch: off),
     whichever path the target's float32 plan measured faster: int8 has no fast torch path."""
     target = load_model(tiny_dir, plan=execution.forced(path), execution=execution.Execution(cpu=path))
-    on_planned_torch = int8_copy(load_model(tiny_dir, plan=execution.forced("torch")), load_state_dict(tiny_dir))
+    on_planned_torch = load_model(tiny_dir, plan=execution.forced("torch")).int8_copy(load_state_dict(tiny_dir))
     assert on_planned_torch.c_decoder is not None
-    copy = int8_copy(target, load_state_dict(tiny_dir))
+    copy = target.int8_copy(load_state_dict(tiny_dir))
     assert copy.embed is target.embed and len(copy.layers) == target.spec.num_layers
     assert (copy.c_decoder is not None) == (path == "c")
     assert (copy.lm_head.panel is not None) == (path == "c")
-    short = int8_copy(target, load_state_dict(tiny_dir), num_layers=1)
+    short = target.int8_copy(load_state_dict(tiny_dir), num_layers=1)
     assert len(short.layers) == 1
     g = torch.Generator().manual_seed(4)
     tokens = torch.randint(0, target.spec.vocab_size, (24,), generator=g)

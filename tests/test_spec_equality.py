@@ -24,7 +24,6 @@ from spin_batch.records import Completion, Request
 from spin_batch.models import execution
 from spin_batch.models.checkpoint import load_state_dict
 from spin_batch.models.loader import load_model, load_tokenizer
-from spin_batch.models.quantize import int8_copy
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog. the quick brown fox",
@@ -142,7 +141,7 @@ def early_exit_1(model, cache, slots):
 def int8_self_factory(model_dir):
     """The target's int8 copy as an early-exit draft over the target's cache (quantize: int8)."""
     def int8_self(model, cache, slots):
-        return EarlyExitDrafter("int8", model, cache, None, int8_copy(model, load_state_dict(model_dir)))
+        return EarlyExitDrafter("int8", model, cache, None, model.int8_copy(load_state_dict(model_dir)))
 
     return int8_self
 

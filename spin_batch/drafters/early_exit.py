@@ -27,7 +27,7 @@ class EarlyExitDrafter(ModelDrafter):
     def __init__(self, name: str, target: LlamaModel, target_cache: KVCache, layers: int | None,
                  model: LlamaModel | None = None):
         """layers None: all of them; model: the target by default, or a copy of its first layers with
-        other weights (quantize.int8_copy)."""
+        other weights (LlamaModel.int8_copy)."""
         problem = None if layers is None else check_layers(layers, target.spec.num_layers)
         if problem:
             raise ValueError(f"drafter {name!r}: {problem}")

@@ -99,20 +99,30 @@ static inline int64_t unit_at(int64_t u, int64_t K, int64_t k, int j) {
             for (int j = 0; j < NV; j++) *(vw *)(acc + m * lda + j * VW) = a[m][j];                      \
     }
 
-#define LOAD_F32(p) (*(const vw *)(p))
-#define AS_FLOAT(v) (v)
-#define MICRO(R) MICRO_T(micro, R, float, float, LOAD_F32, AS_FLOAT)
-MICRO(1) MICRO(2) MICRO(3)
+/* MICRO_T for 1..MR rows, and TABLE[r]: the kernel for r rows. */
 #if MR > 3
-MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8) MICRO(9) MICRO(10) MICRO(11) MICRO(12)
+#define MICRO_SET(NAME, TABLE, WT, XT, LOADW, LOADX)                                                       \
+    MICRO_T(NAME, 1, WT, XT, LOADW, LOADX) MICRO_T(NAME, 2, WT, XT, LOADW, LOADX)                          \
+    MICRO_T(NAME, 3, WT, XT, LOADW, LOADX) MICRO_T(NAME, 4, WT, XT, LOADW, LOADX)                          \
+    MICRO_T(NAME, 5, WT, XT, LOADW, LOADX) MICRO_T(NAME, 6, WT, XT, LOADW, LOADX)                          \
+    MICRO_T(NAME, 7, WT, XT, LOADW, LOADX) MICRO_T(NAME, 8, WT, XT, LOADW, LOADX)                          \
+    MICRO_T(NAME, 9, WT, XT, LOADW, LOADX) MICRO_T(NAME, 10, WT, XT, LOADW, LOADX)                         \
+    MICRO_T(NAME, 11, WT, XT, LOADW, LOADX) MICRO_T(NAME, 12, WT, XT, LOADW, LOADX)                        \
+    static void (*const TABLE[MR + 1])(const XT *, const WT *, float *, int64_t, int64_t, int64_t, int64_t, \
+                                       int64_t) = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5,     \
+                                                   NAME##_6, NAME##_7, NAME##_8, NAME##_9, NAME##_10,      \
+                                                   NAME##_11, NAME##_12};
+#else
+#define MICRO_SET(NAME, TABLE, WT, XT, LOADW, LOADX)                                                       \
+    MICRO_T(NAME, 1, WT, XT, LOADW, LOADX) MICRO_T(NAME, 2, WT, XT, LOADW, LOADX)                          \
+    MICRO_T(NAME, 3, WT, XT, LOADW, LOADX)                                                                 \
+    static void (*const TABLE[MR + 1])(const XT *, const WT *, float *, int64_t, int64_t, int64_t, int64_t, \
+                                       int64_t) = {0, NAME##_1, NAME##_2, NAME##_3};
 #endif
 
-typedef void (*micro_t)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t);
-static const micro_t MICROS[MR + 1] = {0, micro_1, micro_2, micro_3,
-#if MR > 3
-                                       micro_4, micro_5, micro_6, micro_7, micro_8, micro_9, micro_10, micro_11, micro_12
-#endif
-};
+#define LOAD_F32(p) (*(const vw *)(p))
+#define AS_FLOAT(v) (v)
+MICRO_SET(micro, MICROS, float, float, LOAD_F32, AS_FLOAT)
 
 /* Every unit u of the call, block by block: MICRO_FN(r rows, x row m0, acc row m0, k0, k1, u). */
 #define FOR_BLOCKS(M, K, MICRO_FN)                                                                       \
@@ -122,16 +132,18 @@ static const micro_t MICROS[MR + 1] = {0, micro_1, micro_2, micro_3,
             MICRO_FN;                                                                                    \
         }
 
-/* w [O, K] row-major -> wp [Op / 16][K][16], Op a multiple of 32 >= O; rows O..Op-1 are zero. */
-void spin_gemm_pack(const float *w, float *wp, int64_t O, int64_t K, int64_t Op) {
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < Op / 16; p++)
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t j = 0; j < 16; j++) {
-                int64_t o = p * 16 + j;
-                wp[(p * K + k) * 16 + j] = o < O ? w[o * K + k] : 0.0f;
-            }
-}
+/* w [O, K] row-major -> wp [Op / 16][K][16], Op a multiple of 32 >= O; rows O..Op-1 are zero (T: the storage). */
+#define PACK_PANELS(NAME, T)                                                                             \
+    void NAME(const T *w, T *wp, int64_t O, int64_t K, int64_t Op) {                                     \
+        _Pragma("omp parallel for schedule(static)")                                                     \
+        for (int64_t p = 0; p < Op / 16; p++)                                                            \
+            for (int64_t k = 0; k < K; k++)                                                              \
+                for (int64_t j = 0; j < 16; j++) {                                                       \
+                    int64_t o = p * 16 + j;                                                              \
+                    wp[(p * K + k) * 16 + j] = o < O ? w[o * K + k] : (T)0;                              \
+                }                                                                                        \
+    }
+PACK_PANELS(spin_gemm_pack, float)
 
 /* y [M, Op] = x [M, K] @ w^T, w packed by spin_gemm_pack. */
 void spin_gemm(const float *x, const float *wp, float *y, int64_t M, int64_t Op, int64_t K) {
@@ -162,30 +174,9 @@ static inline vw load_i8(const int8_t *p) {
 }
 #endif
 #define LOAD_I8(p) load_i8(p) /* gcc's __builtin_convertvector widens int8 lane by lane */
-#define MICRO_I8(R) MICRO_T(microq, R, int8_t, float, LOAD_I8, AS_FLOAT)
-MICRO_I8(1) MICRO_I8(2) MICRO_I8(3)
-#if MR > 3
-MICRO_I8(4) MICRO_I8(5) MICRO_I8(6) MICRO_I8(7) MICRO_I8(8) MICRO_I8(9) MICRO_I8(10) MICRO_I8(11) MICRO_I8(12)
-#endif
+MICRO_SET(microq, MICROS_I8, int8_t, float, LOAD_I8, AS_FLOAT)
 
-typedef void (*microq_t)(const float *, const int8_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t);
-static const microq_t MICROS_I8[MR + 1] = {0, microq_1, microq_2, microq_3,
-#if MR > 3
-                                           microq_4, microq_5, microq_6, microq_7, microq_8, microq_9, microq_10,
-                                           microq_11, microq_12
-#endif
-};
-
-/* w [O, K] int8 row-major -> wp [Op / 16][K][16] as spin_gemm_pack; rows O..Op-1 are zero. */
-void spin_gemm_pack_i8(const int8_t *w, int8_t *wp, int64_t O, int64_t K, int64_t Op) {
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < Op / 16; p++)
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t j = 0; j < 16; j++) {
-                int64_t o = p * 16 + j;
-                wp[(p * K + k) * 16 + j] = o < O ? w[o * K + k] : 0;
-            }
-}
+PACK_PANELS(spin_gemm_pack_i8, int8_t)
 
 /* y [M, Op] float32 = (x [M, K] float32 @ q^T) * scale [Op], q packed by spin_gemm_pack_i8. */
 void spin_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, int64_t M, int64_t Op, int64_t K) {
@@ -262,7 +253,6 @@ static inline float bf16_to_float(uint16_t h) {
 
 static inline vw widen(hw h) { return (vw)(__builtin_convertvector(h, uw) << 16); }
 #define LOAD_BF16(p) widen(*(const hw *)(p))
-#define MICRO_BF16(R) MICRO_T(microb, R, uint16_t, uint16_t, LOAD_BF16, bf16_to_float)
 #endif
 
 #if BF16_PAIRS
@@ -272,18 +262,7 @@ typedef void (*microb_t)(const uint16_t *, const uint16_t *, uint16_t *, int64_t
 static const microb_t MICROS_BF16[13] = {0,        microb_1, microb_2, microb_3,  microb_4,  microb_5, microb_6,
                                          microb_7, microb_8, microb_9, microb_10, microb_11, microb_12};
 #else
-MICRO_BF16(1) MICRO_BF16(2) MICRO_BF16(3)
-#if MR > 3
-MICRO_BF16(4) MICRO_BF16(5) MICRO_BF16(6) MICRO_BF16(7) MICRO_BF16(8) MICRO_BF16(9) MICRO_BF16(10) MICRO_BF16(11)
-MICRO_BF16(12)
-#endif
-typedef void (*microb_t)(const uint16_t *, const uint16_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t);
-static const microb_t MICROS_BF16[MR + 1] = {0, microb_1, microb_2, microb_3,
-#if MR > 3
-                                             microb_4, microb_5, microb_6, microb_7, microb_8, microb_9, microb_10,
-                                             microb_11, microb_12
-#endif
-};
+MICRO_SET(microb, MICROS_BF16, uint16_t, uint16_t, LOAD_BF16, bf16_to_float)
 #endif
 
 /* 1: this build has a bfloat16 GEMM (every build now: vdpbf16ps where the CPU has it, else widening). */

@@ -20,7 +20,7 @@ from .attention import AttentionPlan, attention
 from .cache import KVCache
 from .execution import DEFAULT_C, TORCH, CpuPlan, Execution
 from .segments import Segments
-from .quantize import quantize_rows
+from .quantize import INT8_C, quantize_rows
 from .spec import (EMBED_TENSOR, HEAD_TENSOR, CheckpointError, ModelSpec, UnsupportedModelError, expected_tensors,
                    tensor_problem, window_problem)
 
@@ -261,6 +261,22 @@ class LlamaModel:
                 )
             )
         return layers
+
+    def int8_copy(self, state_dict: dict[str, torch.Tensor], num_layers: int | None = None) -> "LlamaModel":
+        """This model's first num_layers layers (all by default) with int8 linears and LM head (quantize.py),
+        sharing its embedding, final norm and kernels: a draft. state_dict: this model's checkpoint (the
+        packed weights are not read back)."""
+
+        def get(name: str) -> torch.Tensor:
+            return state_dict[name].to(device=self.device, dtype=self.dtype)
+
+        # The C int8 GEMM wherever the job lets the CPU use C (target.kernels torch: off): int8 has no fast
+        # torch path, so this model's measured float32 plan does not apply.
+        c = self.device.type == "cpu" and self.execution.cpu != "torch" and cpu_decoder.library() is not None
+        layers = self.layers_from_state_dict(self.spec, get, c, quantize=True, num_layers=num_layers)
+        head = get(HEAD_TENSOR if HEAD_TENSOR in state_dict else EMBED_TENSOR)
+        return LlamaModel(self.spec, self.embed, layers, self.norm, head, quantize=True,
+                          plan=INT8_C if c else TORCH, execution=self.execution)
 
     def _ensure_rope(self, length: int) -> None:
         if length <= self._rope_len:
