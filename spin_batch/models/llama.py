@@ -19,8 +19,8 @@ from . import cpu_decoder, cuda_graphs
 from .attention import AttentionPlan, attention
 from .cache import KVCache
 from .execution import DEFAULT_C, TORCH, CpuPlan, Execution
-from .segments import Segments
 from .quantize import INT8_C, quantize_rows
+from .segments import Segments
 from .spec import (EMBED_TENSOR, HEAD_TENSOR, CheckpointError, ModelSpec, UnsupportedModelError, expected_tensors,
                    tensor_problem, window_problem)
 
@@ -102,7 +102,8 @@ class Linear:
         if quantize:
             self.packed = False
             q, scale = quantize_rows(weight)
-            self.panel = cpu_decoder.panel_weight(q, scale) if panel is not False and weight.dtype == torch.float32 else None
+            c = panel is not False and weight.dtype == torch.float32  # the C int8 GEMM takes float32 rows
+            self.panel = cpu_decoder.panel_weight(q, scale) if c else None
             self.weight, self.scale = (None, None) if self.panel is not None else (q, scale.to(weight.dtype))
             return
         self.panel = cpu_decoder.panel_weight(weight) if panel is not False else None
