@@ -487,6 +487,7 @@ def test_exploration_is_charged_to_the_pooled_evidence():
     policy.pooled["new"] = Beta(1.0 + 3, 1.0 + 2)  # 0.6 over five
     policy.on_admit(0)
     arms = policy.requests[0].arms
-    known = policy._rate(arms["known"], policy.pooled["known"]) - arms["known"].mean
-    new = policy._rate(arms["new"], policy.pooled["new"]) - arms["new"].mean
+    evidence = 1005.0
+    known = policy._rate(arms["known"], policy.pooled["known"], evidence) - arms["known"].mean
+    new = policy._rate(arms["new"], policy.pooled["new"], evidence) - arms["new"].mean
     assert 0 < known < 0.05 < 0.3 < new, (known, new)

@@ -196,9 +196,11 @@ class BanditPolicy(Policy):
         """Each open slot's choice (see JointChoice), with its drafter's confidence floor."""
         if not open_:
             return {}
+        evidence = sum(b.n - 2.0 for b in self.pooled.values())  # observations pooled over every drafter
         joint = JointChoice(
             caps=[cap for _, _, cap in open_],
-            rates=[{d: self._rate(arm, self.pooled[d]) for d, arm in req.arms.items()} for _, req, _ in open_],
+            rates=[{d: self._rate(arm, self.pooled[d], evidence) for d, arm in req.arms.items()}
+                   for _, req, _ in open_],
             means=[{d: arm.mean for d, arm in req.arms.items()} for _, req, _ in open_],
             coeffs={d: self.cost.draft_coeffs(d) for d in self.drafters},
             goes_on={d: self.pricing.goes_on(d) for d in self.drafters}, verify_price=verify_price, lam=lam)
@@ -216,18 +218,14 @@ class BanditPolicy(Policy):
         trees = self._tree_step is not None and self._tree_step[2]
         return self.trees.get(drafter, 0) if trees else 0
 
-    def _rate(self, arm: Beta, pooled: Beta) -> float:
+    def _rate(self, arm: Beta, pooled: Beta, evidence: float) -> float:
         """The drafter-choosing rate: ucb, the request's mean plus a bonus for how little the pool and the
-        request know of the drafter (see the module docstring); thompson, a draw from the request's posterior."""
+        request know of the drafter, among `evidence` observations pooled over every drafter (see the module
+        docstring); thompson, a draw from the request's posterior."""
         if self.mode == "thompson":
             return self.rng.betavariate(arm.alpha, arm.beta)
-        bonus = self.exploration * math.sqrt(math.log(self._evidence + 1.0) / (pooled.n + arm.n))
+        bonus = self.exploration * math.sqrt(math.log(evidence + 1.0) / (pooled.n + arm.n))
         return min(arm.mean + bonus, 0.999)
-
-    @property
-    def _evidence(self) -> float:
-        """Observations pooled so far over every drafter (beyond each pooled posterior's Beta(1, 1))."""
-        return sum(b.n - 2.0 for b in self.pooled.values())
 
     # -- learn ------------------------------------------------------------------------------
 
