@@ -389,7 +389,8 @@ def env(job_path, overrides):
         click.echo(f"c kernels\tunavailable: {cpu_decoder.unavailable_reason()}")
     else:
         info = cpu_decoder.build_info(lib)
-        click.echo(f"c kernels\t-march={info['march']}, {info['isa']} GEMM, bfloat16 GEMM {info['bf16_gemm']}")
+        click.echo(f"c kernels\t-march={info['march']}, {info['isa']} GEMM, bfloat16 GEMM {info['bf16_gemm']}, "
+                   f"int8 GEMM {info['int8_gemm']}")
     if job_path is None:
         return
     from .models import loader

@@ -160,7 +160,8 @@ def test_bfloat16_runs_where_onednn_refuses_it(tmp_path, tiny_dir, path):
     assert summary["backends"]["target"]["layers"] == path
     if path == "c" and os.uname().machine == "x86_64":
         assert summary["backends"]["target"]["c_build"] == {"march": "x86-64-v3", "isa": "avx2",
-                                                            "bf16_gemm": "widened to float32"}
+                                                            "bf16_gemm": "widened to float32",
+                                                            "int8_gemm": "avx2"}
 
 
 def test_candidates_are_timed_in_alternation():

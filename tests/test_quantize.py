@@ -1,5 +1,6 @@
-"""Int8 weight-only copies (spin_batch/models/quantize.py) and their C GEMM (spin_gemm_i8): values against a
-float64 reference, batch independence, the torch fallback, the whole-model copy on both CPU paths."""
+"""Int8 copies (spin_batch/models/quantize.py) and their C GEMM (spin_gemm_q8: int8 weights, inputs rounded
+to int8 per group of 64): values against a float64 reference, batch independence, the torch fallback with
+the same rounding, the whole-model copy on both CPU paths."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from spin_batch.models import cpu_decoder, execution
 from spin_batch.models.checkpoint import load_state_dict
 from spin_batch.models.llama import Linear
 from spin_batch.models.loader import load_model
-from spin_batch.models.quantize import quantize_rows
+from spin_batch.models.quantize import fake_quantize_groups, quantize_rows
 from spin_batch.models.segments import Segments
 
 
@@ -26,16 +27,36 @@ def test_quantize_rows_rounds_each_row_to_its_own_scale():
     assert (err <= scale[:, None] / 2 * (1 + 1e-5)).all()  # round to nearest: half a step at most
 
 
-@pytest.mark.parametrize("M,O,K", [(1, 64, 64), (5, 960, 576), (13, 100, 70), (30, 33, 2), (0, 64, 8)])
+def groups_f64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, G, 64] the int8 values as float64, s [M, G, 1] the group scales): the rounding the
+    int8 GEMM documents, written out here (float32 scale arithmetic, ties to even)."""
+    M, K = x.shape
+    xp = torch.nn.functional.pad(x, (0, -K % 64)).reshape(M, -(-K // 64), 64)
+    amax = xp.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(xp * inv).double(), (amax / 127.0).double()
+
+
+@pytest.mark.parametrize("M,O,K", [(1, 64, 64), (5, 960, 576), (13, 100, 70), (30, 33, 2), (0, 64, 8), (3, 70, 1536)])
 def test_int8_gemm_matches_float64_reference(lib, M, O, K):
     g = torch.Generator().manual_seed(M * 1000 + O + K)
     w, x = torch.randn(O, K, generator=g), torch.randn(M, K, generator=g)
+    if M:
+        x[0, :64] = 0.0  # an all-zero group
+        x[-1, ::17] *= 30.0  # a few large inputs
     q, scale = quantize_rows(w)
     y = cpu_decoder.PanelWeight(lib, q, scale)(x)
     assert y.shape == (M, O) and y.dtype == torch.float32
-    ref = (x.double() @ q.double().T) * scale.double()
-    bound = (K + 1) * 1.2e-7 * (x.double().abs() @ q.double().abs().T) * scale.double() + 1e-30
+    xq, s = groups_f64(x)
+    assert (xq.abs() <= 127).all()
+    qp = torch.nn.functional.pad(q.double(), (0, -K % 64)).reshape(O, -(-K // 64), 64)
+    per_group = torch.einsum("mgk,ogk->mgo", xq, qp) * s  # exact integer sums, then the group scales
+    ref = per_group.sum(dim=1) * scale.double()
+    bound = (per_group.shape[1] + 2) * 1.2e-7 * per_group.abs().sum(dim=1) * scale.double() + 1e-30
     assert ((y.double() - ref).abs() <= bound).all()
+    # the float32 inputs the rounding stands for: close to x, each within half a step of its group's scale
+    if M:
+        assert ((fake_quantize_groups(x) - x).abs() <= s.repeat_interleave(64, -1).reshape(M, -1)[:, :K] / 2 + 1e-6).all()
 
 
 def test_int8_rows_result_does_not_depend_on_its_batch(lib):
@@ -60,7 +81,7 @@ def test_quantized_linear_on_c_and_torch_paths_agree_with_its_int8_weights(lib):
     g = torch.Generator().manual_seed(3)
     w, b, x = torch.randn(50, 40, generator=g), torch.randn(50, generator=g), torch.randn(3, 40, generator=g)
     q, scale = quantize_rows(w)
-    want = torch.nn.functional.linear(x, q.float() * scale[:, None], b)
+    want = torch.nn.functional.linear(fake_quantize_groups(x), q.float() * scale[:, None], b)
     c_path, torch_path = Linear(w, b, quantize=True), Linear(w, b, panel=False, quantize=True)
     assert c_path.panel is not None and c_path.panel.dtype == torch.int8 and c_path.weight is None
     assert torch_path.panel is None and torch_path.weight.dtype == torch.int8

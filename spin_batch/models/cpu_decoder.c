@@ -156,42 +156,189 @@ void spin_gemm(const float *x, const float *wp, float *y, int64_t M, int64_t Op,
         FOR_BLOCKS(M, K, MICROS[r](x + m0 * K, wp, y + m0 * Op + UNIT * u, Op, K, k0, k1, u))
 }
 
-/* Int8 weights: y = (x @ q^T) * scale, q [O, K] int8 with one float32 scale per output row (a weight-only
- * quantized copy of a model, for drafting: see quantize.py). The same panels, blocks and prefetch as the
- * float32 GEMM; the micro-kernel widens VW int8 weights to float32 (vpmovsxbd + vcvtdq2ps) and multiplies
- * in float32, and each output is scaled once at the end. A quarter of the float32 bytes stream per token. */
-#if defined(__AVX512F__)
+/* Int8 weights and int8 activations (a draft's copy of a model, quantize.py): y = x @ q^T * scale with
+ * q [O, K] int8 and one float32 scale per output row, and x quantized here, per row, in groups of QG
+ * inputs: each group gets its own scale (its largest magnitude over 127) and its values round to the
+ * nearest int8. A group's products sum exactly in int32; y[m, o] = scale[o] * sum over groups, in order,
+ * of xscale[m, g] * isum[m, g, o] in float32. So a row's result does not depend on M or on the other rows.
+ * K is padded with zeros to a multiple of QG (Kp).
+ *
+ * Layout: panels of 16 output rows by quads of k, wp[o / 16][k / 4][o % 16][k % 4] (64 bytes a quad):
+ * one 64-byte vector holds 16 outputs' weights for 4 inputs.
+ * - AVX512-VNNI: vpdpbusd multiplies unsigned by signed bytes and adds each output's 4 products into its
+ *   int32 lane: 64 multiply-adds an instruction, no widening. Its unsigned operand is the weights, stored
+ *   as q + 128; the 128 * sum(x group) that adds is taken off per group.
+ * - AVX2: vpmaddubsw multiplies |x| (unsigned) by the weights with x's sign moved onto them (vpsignb),
+ *   adding pairs into int16 (at most 2 * 127 * 127: no saturation), and vpmaddwd adds the pairs into int32.
+ * - Elsewhere: the same sums in plain C.
+ * A call takes units of 32 outputs (two panels) and up to Q8_MR rows; the rows' int32 sums of a group sit
+ * in registers and are added into y (in L1) once a group. */
+#define QG 64
+#if defined(__AVX2__)
 #include <immintrin.h>
-static inline vw load_i8(const int8_t *p) { return (vw)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
-#elif defined(__AVX2__)
-#include <immintrin.h>
-static inline vw load_i8(const int8_t *p) { return (vw)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
-#else
-static inline vw load_i8(const int8_t *p) {
-    vw v;
-    for (int j = 0; j < VW; j++) v[j] = (float)p[j];
-    return v;
-}
 #endif
-#define LOAD_I8(p) load_i8(p) /* gcc's __builtin_convertvector widens int8 lane by lane */
-MICRO_SET(microq, MICROS_I8, int8_t, float, LOAD_I8, AS_FLOAT)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define Q8_KIND "avx512_vnni"
+#define Q8_OFFSET 128
+#define Q8_MR 12
+#elif defined(__AVX2__)
+#define Q8_KIND "avx2"
+#define Q8_OFFSET 0
+#define Q8_MR 2
+#else
+#define Q8_KIND "generic"
+#define Q8_OFFSET 0
+#define Q8_MR 1
+#endif
+#define Q8_PF 16 /* prefetch distance in quads (64 bytes of each panel a quad) */
 
-PACK_PANELS(spin_gemm_pack_i8, int8_t)
+/* The instruction set of the int8 GEMM (shown by `spin-batch env`). */
+const char *spin_gemm_q8_kind(void) { return Q8_KIND; }
 
-/* y [M, Op] float32 = (x [M, K] float32 @ q^T) * scale [Op], q packed by spin_gemm_pack_i8. */
-void spin_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, int64_t M, int64_t Op, int64_t K) {
-    if (K == 0) {
-        for (int64_t i = 0; i < M * Op; i++) y[i] = 0.0f;
-        return;
-    }
+static inline int64_t q8_padded(int64_t K) { return (K + QG - 1) / QG * QG; }
+
+/* Bytes of scratch spin_gemm_q8 needs for M rows of width K. */
+int64_t spin_gemm_q8_scratch(int64_t M, int64_t K) { return M * (q8_padded(K) + q8_padded(K) / QG * 8); }
+
+/* w [O, K] int8 row-major -> wp [Op / 16][Kp / 4][16][4] (Op a multiple of 32 >= O); padding is zero. */
+void spin_gemm_pack_q8(const int8_t *w, uint8_t *wp, int64_t O, int64_t K, int64_t Op) {
+    int64_t Kp = q8_padded(K);
 #pragma omp parallel for schedule(static)
-    for (int64_t u = 0; u < Op / UNIT; u++) {
-        FOR_BLOCKS(M, K, MICROS_I8[r](x + m0 * K, wp, y + m0 * Op + UNIT * u, Op, K, k0, k1, u))
-        for (int64_t m = 0; m < M; m++) {
-            vw *row = (vw *)(y + m * Op + UNIT * u);
-            for (int j = 0; j < NV; j++) row[j] *= *(const vw *)(scale + UNIT * u + j * VW);
+    for (int64_t p = 0; p < Op / 16; p++)
+        for (int64_t k = 0; k < Kp; k++)
+            for (int64_t j = 0; j < 16; j++) {
+                int64_t o = p * 16 + j;
+                int v = o < O && k < K ? w[o * K + k] : 0;
+                wp[((p * (Kp / 4) + k / 4) * 16 + j) * 4 + k % 4] = (uint8_t)(v + Q8_OFFSET);
+            }
+}
+
+/* x [M, K] float32 -> xq [M, Kp] int8, xs [M, G] float32 group scales, xsum [M, G] int32 group sums. */
+static void q8_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, int32_t *xsum) {
+    int64_t Kp = q8_padded(K), G = Kp / QG;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *xr = x + m * K + g * QG;
+            int64_t n = K - g * QG < QG ? K - g * QG : QG;
+            float amax = 0.0f;
+            for (int64_t i = 0; i < n; i++) amax = __builtin_fabsf(xr[i]) > amax ? __builtin_fabsf(xr[i]) : amax;
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t s = 0;
+            for (int64_t i = 0; i < QG; i++) {
+                int v = i < n ? (int)__builtin_nearbyintf(xr[i] * inv) : 0;
+                xq[m * Kp + g * QG + i] = (int8_t)v;
+                s += v;
+            }
+            xs[m * G + g] = amax / 127.0f;
+            xsum[m * G + g] = s;
         }
+}
+
+/* y [R rows, stride ldy][32] = the unit's outputs, scaled by the weight scales at the end. */
+static inline __attribute__((always_inline)) void q8_unit(const int8_t *xq, const float *xs, const int32_t *xsum,
+                                                          const uint8_t *wp, const float *scale, float *y, int64_t ldy,
+                                                          int64_t Kp, int64_t u, int R) {
+    int64_t G = Kp / QG;
+    const uint8_t *w0 = wp + 2 * u * Kp * 16, *w1 = w0 + Kp * 16;
+    for (int m = 0; m < R; m++)
+        for (int j = 0; j < 32; j++) y[m * ldy + j] = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+        __m512i a[Q8_MR][2];
+        for (int m = 0; m < R; m++) a[m][0] = a[m][1] = _mm512_setzero_si512();
+        for (int64_t q = g * (QG / 4); q < (g + 1) * (QG / 4); q++) {
+            _mm_prefetch((const char *)(w0 + (q + Q8_PF) * 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + (q + Q8_PF) * 64), _MM_HINT_T0);
+            __m512i v0 = _mm512_loadu_si512(w0 + q * 64), v1 = _mm512_loadu_si512(w1 + q * 64);
+            for (int m = 0; m < R; m++) {
+                int32_t xx;
+                __builtin_memcpy(&xx, xq + m * Kp + q * 4, 4);
+                __m512i b = _mm512_set1_epi32(xx);
+                a[m][0] = _mm512_dpbusd_epi32(a[m][0], v0, b);
+                a[m][1] = _mm512_dpbusd_epi32(a[m][1], v1, b);
+            }
+        }
+        for (int m = 0; m < R; m++) {
+            __m512i c = _mm512_set1_epi32(Q8_OFFSET * xsum[m * G + g]);
+            __m512 s = _mm512_set1_ps(xs[m * G + g]);
+            for (int j = 0; j < 2; j++) {
+                float *yp = y + m * ldy + 16 * j;
+                __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(a[m][j], c));
+                _mm512_storeu_ps(yp, _mm512_fmadd_ps(f, s, _mm512_loadu_ps(yp)));
+            }
+        }
+#elif defined(__AVX2__)
+        __m256i a[Q8_MR][4];
+        const __m256i ones = _mm256_set1_epi16(1);
+        for (int m = 0; m < R; m++)
+            for (int j = 0; j < 4; j++) a[m][j] = _mm256_setzero_si256();
+        for (int64_t q = g * (QG / 4); q < (g + 1) * (QG / 4); q++) {
+            _mm_prefetch((const char *)(w0 + (q + Q8_PF) * 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + (q + Q8_PF) * 64), _MM_HINT_T0);
+            __m256i v[4] = {_mm256_loadu_si256((const __m256i *)(w0 + q * 64)),
+                            _mm256_loadu_si256((const __m256i *)(w0 + q * 64 + 32)),
+                            _mm256_loadu_si256((const __m256i *)(w1 + q * 64)),
+                            _mm256_loadu_si256((const __m256i *)(w1 + q * 64 + 32))};
+            for (int m = 0; m < R; m++) {
+                int32_t xx;
+                __builtin_memcpy(&xx, xq + m * Kp + q * 4, 4);
+                __m256i b = _mm256_set1_epi32(xx), ab = _mm256_abs_epi8(b);
+                for (int j = 0; j < 4; j++)
+                    a[m][j] = _mm256_add_epi32(a[m][j], _mm256_madd_epi16(_mm256_maddubs_epi16(ab, _mm256_sign_epi8(v[j], b)), ones));
+            }
+        }
+        for (int m = 0; m < R; m++) {
+            __m256 s = _mm256_set1_ps(xs[m * G + g]);
+            for (int j = 0; j < 4; j++) {
+                float *yp = y + m * ldy + 8 * j;
+                _mm256_storeu_ps(yp, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[m][j]), s, _mm256_loadu_ps(yp)));
+            }
+        }
+#else
+        for (int m = 0; m < R; m++)
+            for (int j = 0; j < 32; j++) {
+                const uint8_t *wj = (j < 16 ? w0 : w1) + (j % 16) * 4;
+                int32_t acc = 0;
+                for (int64_t q = g * (QG / 4); q < (g + 1) * (QG / 4); q++)
+                    for (int t = 0; t < 4; t++) acc += (int32_t)xq[m * Kp + q * 4 + t] * (int32_t)(int8_t)wj[q * 64 + t];
+                y[m * ldy + j] = __builtin_fmaf((float)acc, xs[m * G + g], y[m * ldy + j]);
+            }
+#endif
     }
+    for (int m = 0; m < R; m++)
+        for (int j = 0; j < 32; j++) y[m * ldy + j] *= scale[32 * u + j];
+}
+
+/* y [M, Op] float32 = the int8 GEMM of x [M, K] float32 and q packed by spin_gemm_pack_q8 (see above), scale
+ * [Op]; scratch of spin_gemm_q8_scratch(M, K) bytes. */
+void spin_gemm_q8(const float *x, const uint8_t *wp, const float *scale, float *y, int64_t M, int64_t Op, int64_t K,
+                  void *scratch) {
+    int64_t Kp = q8_padded(K), G = Kp / QG;
+    int8_t *xq = (int8_t *)scratch;
+    float *xs = (float *)(xq + M * Kp);
+    int32_t *xsum = (int32_t *)(xs + M * G);
+    q8_rows(x, M, K, xq, xs, xsum);
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < Op / 32; u++)
+        for (int64_t m0 = 0; m0 < M; m0 += Q8_MR) {
+            int r = M - m0 < Q8_MR ? (int)(M - m0) : Q8_MR;
+            const int8_t *xr = xq + m0 * Kp;
+            const float *sr = xs + m0 * G;
+            const int32_t *cr = xsum + m0 * G;
+            float *yr = y + m0 * Op + 32 * u;
+            switch (r) { /* R fixed at compile time in each case, so the accumulators stay in registers */
+#define Q8_CASE(R) case R: q8_unit(xr, sr, cr, wp, scale, yr, Op, Kp, u, R); break;
+                Q8_CASE(1)
+#if Q8_MR >= 2
+                Q8_CASE(2)
+#endif
+#if Q8_MR >= 12
+                Q8_CASE(3) Q8_CASE(4) Q8_CASE(5) Q8_CASE(6) Q8_CASE(7) Q8_CASE(8) Q8_CASE(9) Q8_CASE(10) Q8_CASE(11)
+                Q8_CASE(12)
+#endif
+#undef Q8_CASE
+            }
+        }
 }
 
 static inline uint16_t to_bf16(float f);
@@ -702,9 +849,9 @@ int spin_attention_tree(const void *q, int64_t q_rs, const void *k_new, int64_t 
 
 typedef struct {
     const float *attn_norm, *mlp_norm;          /* [C] float32 */
-    const void *qkv, *o, *gate_up, *down;       /* packed by spin_gemm_pack or spin_gemm_pack_bf16 */
+    const void *qkv, *o, *gate_up, *down;       /* packed by spin_gemm_pack, _bf16 or _q8 */
     const void *qkv_bias;                       /* [(H + 2 KV) D] in the weights' dtype, or NULL */
-    const float *qkv_s, *o_s, *gate_up_s, *down_s; /* int8 weights (spin_gemm_pack_i8): the scales; else NULL */
+    const float *qkv_s, *o_s, *gate_up_s, *down_s; /* int8 weights (spin_gemm_pack_q8): the scales; else NULL */
 } spin_layer_t;
 
 typedef struct { /* the packed weights' padded output widths, the same in every layer */
@@ -721,17 +868,21 @@ static inline float load1(const void *p, int64_t i, int es) {
 
 
 static void gemm(const void *x, const void *wp, const float *scale, void *y, int64_t M, int64_t Op, int64_t K,
-                 int es) {
+                 int es, void *q8_scratch) {
     if (scale) /* int8 weights, float32 rows (es 4) */
-        spin_gemm_i8((const float *)x, (const int8_t *)wp, scale, (float *)y, M, Op, K);
+        spin_gemm_q8((const float *)x, (const uint8_t *)wp, scale, (float *)y, M, Op, K, q8_scratch);
     else if (es == 4)
         spin_gemm((const float *)x, (const float *)wp, (float *)y, M, Op, K);
     else
         spin_gemm_bf16((const uint16_t *)x, (const uint16_t *)wp, (uint16_t *)y, M, Op, K);
 }
 
+#define ALIGN64(n) (((n) + 63) / 64 * 64)
+
+/* Bytes of scratch spin_decoder needs: the rows of each stage, then the int8 GEMM's (int8 weights). */
 int64_t spin_decoder_scratch(int64_t N, int64_t C, int64_t H, int64_t D, int64_t I, const spin_widths_t *w, int es) {
-    return N * ((C > I ? C : I) + w->qkv + H * D + w->gate_up + w->out) * es;
+    int64_t widest = C > I ? C : I, k = widest > H * D ? widest : H * D;
+    return ALIGN64(N * (widest + w->qkv + H * D + w->gate_up + w->out) * es) + spin_gemm_q8_scratch(N, k);
 }
 
 /* h [N, C] += y [N, Cp] (the weights' dtype; its first C columns) */
@@ -755,10 +906,11 @@ static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, co
     void *att = (char *)qkv + N * qkv_w * es;               /* [N, H D] */
     void *gu = (char *)att + N * H * D * es;                /* [N, gu_w] */
     void *y = (char *)gu + N * gu_w * es;                   /* [N, Cp] */
+    void *q8 = scratch + ALIGN64(N * (widest + qkv_w + H * D + gu_w + Cp) * es); /* the int8 GEMM's */
     for (int64_t li = 0; li < L; li++) {
         const spin_layer_t *lw = &layers[li];
         norm_rows(h, lw->attn_norm, xn, N, C, eps, es);
-        gemm(xn, lw->qkv, lw->qkv_s, qkv, N, qkv_w, C, es);
+        gemm(xn, lw->qkv, lw->qkv_s, qkv, N, qkv_w, C, es, q8);
 #pragma omp parallel for schedule(static) if (N >= 16)
         for (int64_t m = 0; m < N; m++) { /* bias, then rotary embedding of the H + KV q/k heads */
             float x[256];
@@ -779,10 +931,10 @@ static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, co
                 : spin_attention((char *)qkv, qkv_w, (char *)qkv + H * D * es, qkv_w, (char *)qkv + (H + KV) * D * es,
                                  qkv_w, ck, cv, att, slot, pos, N, H, KV, D, max_len, es))
             return -1;
-        gemm(att, lw->o, lw->o_s, y, N, Cp, H * D, es);
+        gemm(att, lw->o, lw->o_s, y, N, Cp, H * D, es, q8);
         add_rows(h, y, N, C, Cp, es);
         norm_rows(h, lw->mlp_norm, xn, N, C, eps, es);
-        gemm(xn, lw->gate_up, lw->gate_up_s, gu, N, gu_w, C, es);
+        gemm(xn, lw->gate_up, lw->gate_up_s, gu, N, gu_w, C, es, q8);
 #pragma omp parallel for schedule(static) if (N >= 16)
         for (int64_t m = 0; m < N; m++) /* silu(gate) * up; silu(g) = g / (1 + e^-g), e^-|g| never overflows */
             for (int64_t c0 = 0; c0 < I; c0 += VW) {
@@ -805,7 +957,7 @@ static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, co
                 else
                     for (int j = 0; j < n; j++) store1(xn, m * I + c0 + j, r[j], es);
             }
-        gemm(xn, lw->down, lw->down_s, y, N, Cp, I, es);
+        gemm(xn, lw->down, lw->down_s, y, N, Cp, I, es, q8);
         add_rows(h, y, N, C, Cp, es);
     }
     return 0;

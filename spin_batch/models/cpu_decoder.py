@@ -70,6 +70,7 @@ def arch() -> str:
 def flags() -> tuple[str, ...]:
     return (*BASE_FLAGS[:1], f"-march={arch()}", *BASE_FLAGS[1:])
 PANEL = 32  # outputs per micro-kernel call: padded to a multiple of this
+Q8_GROUP = 64  # inputs per activation scale in the int8 GEMM (QG in the C file)
 
 _state: dict[str, object] = {}
 
@@ -166,8 +167,11 @@ def _load() -> None:
         lib.spin_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.spin_gemm_pack_bf16.argtypes = lib.spin_gemm_pack.argtypes
         lib.spin_gemm_bf16.argtypes = lib.spin_gemm.argtypes
-        lib.spin_gemm_pack_i8.argtypes = lib.spin_gemm_pack.argtypes
-        lib.spin_gemm_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        lib.spin_gemm_pack_q8.argtypes = lib.spin_gemm_pack.argtypes
+        lib.spin_gemm_q8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+        lib.spin_gemm_q8_scratch.argtypes = [ctypes.c_int64] * 2
+        lib.spin_gemm_q8_scratch.restype = ctypes.c_int64
+        lib.spin_gemm_q8_kind.restype = ctypes.c_char_p
         lib.spin_gemm_bf16_ok.argtypes = []
         lib.spin_gemm_bf16_ok.restype = ctypes.c_int
         lib.spin_attention.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5
@@ -187,8 +191,8 @@ def _load() -> None:
         lib.spin_decoder_scratch.restype = ctypes.c_int64
         lib.spin_isa.restype = ctypes.c_char_p
         lib.spin_gemm_bf16_native.restype = ctypes.c_int
-        for fn in (lib.spin_gemm_pack, lib.spin_gemm, lib.spin_gemm_pack_bf16, lib.spin_gemm_bf16, lib.spin_gemm_pack_i8,
-                   lib.spin_gemm_i8, lib.spin_rms_norm):
+        for fn in (lib.spin_gemm_pack, lib.spin_gemm, lib.spin_gemm_pack_bf16, lib.spin_gemm_bf16, lib.spin_gemm_pack_q8,
+                   lib.spin_gemm_q8, lib.spin_rms_norm):
             fn.restype = None
     except (CpuDecoderUnavailable, OSError, subprocess.SubprocessError) as e:
         _state["lib"], _state["error"] = None, str(e)
@@ -202,9 +206,11 @@ def unavailable_reason() -> str:
 
 
 def build_info(lib: ctypes.CDLL) -> dict:
-    """What the loaded library was built for: -march, the GEMM's instruction set, the bfloat16 GEMM's kind."""
+    """What the loaded library was built for: -march, the GEMM's instruction set, the bfloat16 GEMM's kind,
+    the int8 GEMM's instruction set."""
     return {"march": arch(), "isa": lib.spin_isa().decode(),
-            "bf16_gemm": "avx512_bf16 dot products" if lib.spin_gemm_bf16_native() else "widened to float32"}
+            "bf16_gemm": "avx512_bf16 dot products" if lib.spin_gemm_bf16_native() else "widened to float32",
+            "int8_gemm": lib.spin_gemm_q8_kind().decode()}
 
 
 def reset() -> None:
@@ -214,8 +220,8 @@ def reset() -> None:
 
 class PanelWeight:
     """A [out, in] float32 or bfloat16 weight packed for spin_gemm / spin_gemm_bf16, or an int8 one with a
-    float32 scale per output row (spin_gemm_i8: y = (x @ weight^T) * scale); called on x [M, in], returns
-    [M, out] in act_dtype: the weight's dtype, float32 for int8."""
+    float32 scale per output row (spin_gemm_q8: x is quantized to int8 in groups of 64 inputs per row, see
+    quantize.py); called on x [M, in], returns [M, out] in act_dtype: the weight's dtype, float32 for int8."""
 
     def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, scale: torch.Tensor | None = None):
         self.lib = lib
@@ -225,11 +231,12 @@ class PanelWeight:
             raise ValueError("PanelWeight: an int8 weight takes a scale per output row, and only it")
         self.act_dtype = torch.float32 if int8 else self.dtype
         bf16 = self.dtype == torch.bfloat16
-        pack = lib.spin_gemm_pack_i8 if int8 else lib.spin_gemm_pack_bf16 if bf16 else lib.spin_gemm_pack
+        pack = lib.spin_gemm_pack_q8 if int8 else lib.spin_gemm_pack_bf16 if bf16 else lib.spin_gemm_pack
         self.out_features, self.in_features = weight.shape
         self.padded = -(-self.out_features // PANEL) * PANEL
         w = weight.detach().contiguous()
-        self.packed = torch.empty(self.padded * self.in_features, dtype=self.dtype)
+        width = -(-self.in_features // Q8_GROUP) * Q8_GROUP if int8 else self.in_features  # int8: K padded
+        self.packed = torch.empty(self.padded * width, dtype=torch.uint8 if int8 else self.dtype)
         pack(w.data_ptr(), self.packed.data_ptr(), self.out_features, self.in_features, self.padded)
         self.scale = None
         if int8:
@@ -241,8 +248,9 @@ class PanelWeight:
         M = x.shape[0]
         y = torch.empty(M, self.padded, dtype=self.act_dtype)
         if M and self.scale is not None:
-            self.lib.spin_gemm_i8(x.data_ptr(), self.packed.data_ptr(), self.scale.data_ptr(), y.data_ptr(), M,
-                                  self.padded, self.in_features)
+            scratch = torch.empty(self.lib.spin_gemm_q8_scratch(M, self.in_features), dtype=torch.uint8)
+            self.lib.spin_gemm_q8(x.data_ptr(), self.packed.data_ptr(), self.scale.data_ptr(), y.data_ptr(), M,
+                                  self.padded, self.in_features, scratch.data_ptr())
         elif M:
             gemm = self.lib.spin_gemm_bf16 if self.dtype == torch.bfloat16 else self.lib.spin_gemm
             gemm(x.data_ptr(), self.packed.data_ptr(), y.data_ptr(), M, self.padded, self.in_features)

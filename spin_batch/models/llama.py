@@ -19,7 +19,7 @@ from . import cpu_decoder, cuda_graphs
 from .attention import AttentionPlan, attention
 from .cache import KVCache
 from .execution import DEFAULT_C, TORCH, CpuPlan, Execution
-from .quantize import INT8_C, quantize_rows
+from .quantize import INT8_C, fake_quantize_groups, quantize_rows
 from .segments import Segments
 from .spec import (EMBED_TENSOR, HEAD_TENSOR, CheckpointError, ModelSpec, UnsupportedModelError, expected_tensors,
                    tensor_problem, window_problem)
@@ -90,8 +90,9 @@ class Linear:
     where it does not (bfloat16 without AVX-512: slower, but it runs; said once). Other devices use
     F.linear. panel=None: the C path wherever it applies.
 
-    quantize: int8 weights with a scale per output row (quantize.py), for drafts: on the C path in a float32
-    model (spin_gemm_i8), else widened to the input's dtype per call (correct, not faster).
+    quantize: int8 weights with a scale per output row and int8 inputs in groups of 64 (quantize.py), for
+    drafts: on the C path in a float32 model (spin_gemm_q8), else the same rounding in torch per call
+    (correct, not faster).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, panel: bool | None = None,
@@ -126,7 +127,7 @@ class Linear:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
         if self.scale is not None:
-            y = F.linear(x, self.weight.to(x.dtype)) * self.scale
+            y = F.linear(fake_quantize_groups(x), self.weight.to(x.dtype)) * self.scale
             return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 

@@ -1,10 +1,10 @@
 /* A C check of spin_batch/models/cpu_decoder.c, for builds the Python suite cannot load: another
  * architecture (aarch64 under qemu-user) or another -march. Compiled as one unit with the kernels:
  *   cc -O2 -march=... -fopenmp tests/native/check_kernels.c -o check -lm && ./check
- * It checks the float32 and bfloat16 GEMMs against a double reference, that a row's result is bitwise
+ * It checks the float32, bfloat16 and int8 GEMMs against a double reference, that a row's result is bitwise
  * the same alone and inside a batch (M = 1 vs M = 13), the RMS norm, and attention against a double
  * reference and alone vs inside a verify run, and tree attention (spin_attention_tree) against a double
- * reference. Prints "kernels check (<isa>): N passed, M failed". */
+ * reference. Prints "kernels check (<isa>, ...): N passed, M failed". */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,24 +49,36 @@ static void gemm_f32(void) {
     check(same, "float32 GEMM: a row alone equals the row in a batch of 13");
 }
 
-static void gemm_i8(void) {
-    enum { M = 13, O = 100, K = 300, OP = 128 };
-    static int8_t w[O * K], wp[OP * K];
+static void gemm_q8(void) {
+    enum { M = 13, O = 100, K = 300, OP = 128, KP = 320, G = KP / 64 }; /* K not a multiple of the group */
+    static int8_t w[O * K];
+    static uint8_t wp[OP * KP];
     static float scale[OP], x[M * K], y[M * OP], y1[OP];
+    static char scratch[M * (KP + G * 8)];
     for (int i = 0; i < O * K; i++) w[i] = (int8_t)(rand() % 255 - 127);
     for (int o = 0; o < OP; o++) scale[o] = o < O ? 0.001f * (1 + o % 7) : 0.0f;
-    for (int i = 0; i < M * K; i++) x[i] = rnd();
-    spin_gemm_pack_i8(w, wp, O, K, OP);
-    spin_gemm_i8(x, wp, scale, y, M, OP, K);
+    for (int i = 0; i < M * K; i++) x[i] = rnd() * (i % 61 == 0 ? 20.0f : 1.0f); /* a few large inputs */
+    for (int k = 0; k < 64; k++) x[k] = 0.0f; /* row 0's first group is all zero */
+    check(spin_gemm_q8_scratch(M, K) <= (int64_t)sizeof scratch, "int8 GEMM scratch fits");
+    spin_gemm_pack_q8(w, wp, O, K, OP);
+    spin_gemm_q8(x, wp, scale, y, M, OP, K, scratch);
     int ok = 1, same = 1;
     for (int m = 0; m < M; m++)
         for (int o = 0; o < O; o++) {
             double ref = 0, mag = 0;
-            for (int k = 0; k < K; k++) ref += (double)x[m * K + k] * w[o * K + k], mag += fabs((double)x[m * K + k] * w[o * K + k]);
-            if (fabs(y[m * OP + o] - ref * scale[o]) > (K + 1) * 1.2e-7 * mag * scale[o] + 1e-30) ok = 0;
+            for (int g = 0; g < G; g++) { /* x rounded per group of 64 to int8 steps of its largest magnitude / 127 */
+                float amax = 0.0f;
+                for (int k = g * 64; k < K && k < g * 64 + 64; k++) amax = fmaxf(amax, fabsf(x[m * K + k]));
+                float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+                long isum = 0;
+                for (int k = g * 64; k < K && k < g * 64 + 64; k++) isum += lrintf(x[m * K + k] * inv) * w[o * K + k];
+                ref += (double)isum * (amax / 127.0f);
+                mag += fabs((double)isum * (amax / 127.0f));
+            }
+            if (fabs(y[m * OP + o] - ref * scale[o]) > (G + 2) * 1.2e-7 * mag * scale[o] + 1e-30) ok = 0;
         }
     for (int m = 0; m < M; m++) {
-        spin_gemm_i8(x + m * K, wp, scale, y1, 1, OP, K);
+        spin_gemm_q8(x + m * K, wp, scale, y1, 1, OP, K, scratch);
         if (memcmp(y1, y + m * OP, O * sizeof(float))) same = 0;
     }
     check(ok, "int8 GEMM matches the double reference");
@@ -196,12 +208,12 @@ static void tree_attention(void) {
 int main(void) {
     srand(1);
     gemm_f32();
-    gemm_i8();
+    gemm_q8();
     gemm_bf16();
     norm();
     attention();
     tree_attention();
-    printf("kernels check (%s, bfloat16 %s): %d passed, %d failed\n", spin_isa(),
-           spin_gemm_bf16_native() ? "dot products" : "widened", passed, failed);
+    printf("kernels check (%s, bfloat16 %s, int8 %s): %d passed, %d failed\n", spin_isa(),
+           spin_gemm_bf16_native() ? "dot products" : "widened", spin_gemm_q8_kind(), passed, failed);
     return failed != 0;
 }
