@@ -12,7 +12,7 @@ from spin_batch.selection.bandit import PRIOR_STRENGTH, BanditPolicy, Beta, Requ
 from spin_batch.selection.costs import CostModel
 from spin_batch.selection.factory import make_policy
 from spin_batch.selection.joint import expected_gain
-from spin_batch.selection.policy import Outcome, StepCosts
+from spin_batch.selection.policy import Choice, Outcome, StepCosts
 
 
 class World:
@@ -491,3 +491,61 @@ def test_exploration_is_charged_to_the_pooled_evidence():
     known = policy._rate(arms["known"], policy.pooled["known"], evidence) - arms["known"].mean
     new = policy._rate(arms["new"], policy.pooled["new"], evidence) - arms["new"].mean
     assert 0 < known < 0.05 < 0.3 < new, (known, new)
+
+
+def test_a_requests_prior_follows_the_pool_and_keeps_its_own_observations():
+    """A request admitted before the pool knew a drafter is not stuck with the cold prior: at every step its
+    arm is the current pooled posterior (shrunk to PRIOR_STRENGTH) plus what the request itself observed."""
+    policy = BanditPolicy(["d"], max_gamma=4, seed=0, backoff=False)
+    policy.on_admit(0)
+    assert policy.requests[0].arms["d"].mean == pytest.approx(0.3)  # nothing pooled yet: the cold prior
+    policy.pooled["d"] = Beta(1.0 + 95, 1.0 + 5)  # other requests have since found d right 95% of the time
+    policy.choose([0], [4])
+    arm = policy.requests[0].arms["d"]
+    assert arm.n == pytest.approx(PRIOR_STRENGTH) and arm.mean == pytest.approx(96 / 102)
+    # the request's own observation (1 of 4 accepted) stays on top of the prior as the pool moves on
+    policy.learn([Outcome(0, Choice("d", 4), 4, 1)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
+    policy.pooled["d"] = Beta(1.0 + 900, 1.0 + 100)
+    policy.choose([0], [4])
+    arm = policy.requests[0].arms["d"]
+    assert arm.alpha == pytest.approx(901 / 1002 * PRIOR_STRENGTH + 1)
+    assert arm.beta == pytest.approx(101 / 1002 * PRIOR_STRENGTH + 1)
+
+
+def test_a_measured_drafter_is_probed_at_the_cap_until_the_pool_knows_it():
+    """After its short first trial, a drafter the pool has seen little of is drafted by one slot a step at
+    that slot's cap: the joint choice prices gamma at the posterior mean, so a costly drafter whose first
+    short trial went badly would otherwise never be tried again."""
+    from spin_batch.selection.bandit import PROBE_EVIDENCE
+
+    policy = BanditPolicy(["cheap", "costly"], max_gamma=6, seed=0, backoff=False)
+    policy.gamma_exploration = 0.0
+    for n in range(1, 9):  # verify: 20 ms + 0.5 ms a row
+        policy.cost.observe_verify(n, 0.02 + 0.0005 * n)
+    for d, s in (("cheap", 0.0002), ("costly", 0.002)):
+        policy.cost.observe_draft(d, 2, 2 * s)
+    policy.cost.goodput.update(200.0)
+    policy.pooled["cheap"] = Beta(1.0 + 300, 1.0 + 300)
+    policy.pooled["costly"] = Beta(1.0 + 1, 1.0 + 1)  # its first trial: 1 of 2
+    for s in (0, 1):
+        policy.on_admit(s)
+    probes = 0
+    while policy.pooled["costly"].n - 2.0 < PROBE_EVIDENCE:
+        picks = policy.choose([0, 1], [6, 3])
+        assert picks[0] == Choice("costly", 6)  # slot 1 is the joint choice's
+        policy.learn([Outcome(0, picks[0], 6, 6)], StepCosts({"verify": 0.0235}, 7, {"costly": 0.012}, {"costly": 6}))
+        probes += 1
+    assert probes == 2  # 6 + 1 observations a probe, 12 wanted (2 were there)
+    assert policy.pooled["costly"].mean > 0.85
+    assert all(c.drafter == "costly" and c.gamma == 6 for c in policy.choose([0, 1], [6, 6]))  # now it pays
+
+
+def test_goodput_is_kept_per_batch_size():
+    """A second is priced at the goodput of the batch size the step runs at (the job's tail leaves few slots)."""
+    cm = CostModel()
+    one, four = Outcome(0, Choice(None, 0), 0, 0), [Outcome(s, Choice(None, 0), 0, 0) for s in range(4)]
+    for _ in range(20):
+        cm.learn(four, StepCosts({"verify": 0.02}, 4, {}, {}))  # 200 tokens/s at 4 slots
+        cm.learn([one], StepCosts({"verify": 0.02}, 1, {}, {}))  # 50 at 1
+    assert cm.lam(4) == pytest.approx(200.0) and cm.lam(1) == pytest.approx(50.0)
+    assert 50.0 < cm.lam(2) < 200.0  # not measured at 2 slots: the goodput over all steps

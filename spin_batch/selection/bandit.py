@@ -17,7 +17,17 @@ the cost model prices a node's verified row, not all a tree spends (its draft ro
 tree, the tree rule and the compaction run per slot), and a gap that small is the outcome's to settle.
 
 Warm start: new requests start from the pooled posterior of all requests so far, scaled down to
-a few pseudo-observations, so short requests do not pay for exploration.
+a few pseudo-observations, so short requests do not pay for exploration. That prior follows the
+pool: at every step a request's arms are the current pooled posterior (so shrunk) plus the
+request's own observations. Warmed once at admission only, the requests already running when a
+costly drafter was first measured kept the cold prior for it (0.3), or that prior plus one short
+trial, for their whole length, at which it never paid: at 4 slots, 16 demo prompts, the int8 copy
+of the target (96% of its tokens accepted) drafted in a third of the run's steps (BENCHMARKS.md).
+
+Probing: a drafter is first tried by one slot with a short draft (its cost unknown), then by one slot
+a step at the slot's cap until the pool holds PROBE_EVIDENCE observations of it. The joint choice
+sets gamma at the posterior mean, so without this a drafter whose first trial went badly was not
+drafted with again, whatever its cost would have bought.
 
 Exploration (ucb) is charged to the pool: a drafter's bonus shrinks with the evidence pooled over all
 requests (its pooled posterior plus the request's own), not only with the request's own few
@@ -55,6 +65,7 @@ from .policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
 
 PRIOR_STRENGTH = 6.0  # pseudo-tokens a warm start is worth
 DEFAULT_RATE = 0.3  # prior acceptance before anything was pooled
+PROBE_EVIDENCE = 12.0  # pooled observations of a drafter before the joint choice alone decides its use
 DRAIN_RECHECK = 16  # steps the drain keeps a verdict against drafting while its slots stay the same
 
 
@@ -80,6 +91,14 @@ class Beta:
 class RequestArms:
     arms: dict[str, Beta]
     steps: int = 0
+    # per drafter, the pooled prior inside its arm (the rest is the request's own): re-warmed each step
+    warm: dict[str, Beta] = field(default_factory=dict)
+
+    def rewarm(self, drafter: str, prior: Beta) -> None:
+        """Replace the prior inside the drafter's arm by `prior`, keeping the request's own observations."""
+        arm, old = self.arms[drafter], self.warm[drafter]
+        self.arms[drafter] = Beta(arm.alpha - old.alpha + prior.alpha, arm.beta - old.beta + prior.beta)
+        self.warm[drafter] = prior
 
 
 @dataclass
@@ -129,17 +148,20 @@ class BanditPolicy(Policy):
     # -- per-request state ----------------------------------------------------------------
 
     def on_admit(self, slot: int, req_id: str | None = None) -> None:
-        """Warm start: the pooled posterior, shrunk to PRIOR_STRENGTH pseudo-tokens."""
-        arms = {}
-        for d, b in self.pooled.items():
-            mean = b.mean if b.n > 2.0 else DEFAULT_RATE
-            arms[d] = Beta(mean * PRIOR_STRENGTH, (1 - mean) * PRIOR_STRENGTH)
-        self.requests[slot] = RequestArms(arms)
+        """Warm start: the pooled posterior, shrunk to PRIOR_STRENGTH pseudo-tokens (see _warm)."""
+        warm = {d: self._warm(d) for d in self.pooled}
+        self.requests[slot] = RequestArms(dict(warm), warm=warm)
+
+    def _warm(self, drafter: str) -> Beta:
+        """The pooled posterior of drafter, shrunk to PRIOR_STRENGTH pseudo-tokens."""
+        b = self.pooled[drafter]
+        mean = b.mean if b.n > 2.0 else DEFAULT_RATE
+        return Beta(mean * PRIOR_STRENGTH, (1 - mean) * PRIOR_STRENGTH)
 
     # -- select -----------------------------------------------------------------------------
 
     def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
-        verify_price, lam = self.pricing.prices()
+        verify_price, lam = self.pricing.prices(len(slots))
         if self.gate is not None:
             self._step = (len(slots), self.gate.decide(len(slots)))
             if not self._step[1]:
@@ -152,6 +174,9 @@ class BanditPolicy(Policy):
         # it on every slot at once could stall the whole batch behind an expensive drafter
         # (not in the drain: a step that drafts for one slot only makes the job no shorter)
         unmeasured = [] if self.draining else [d for d in self.drafters if not self.cost.measured(d)]
+        # then one slot a step drafts with it to the slot's cap until the pool knows it (see Probing above)
+        probing = [] if self.draining else [d for d in self.drafters if self.cost.measured(d)
+                                            and self.pooled[d].n - 2.0 < PROBE_EVIDENCE]
         explore = not self.draining and slots and self.rng.random() < self.gamma_exploration
         explorer = self.rng.randrange(len(slots)) if explore else -1
         out: list[Choice] = [NO_SPEC] * len(slots)
@@ -162,9 +187,14 @@ class BanditPolicy(Policy):
                 self.on_admit(s)
                 req = self.requests[s]
             req.steps += 1
+            for d in req.warm:  # the prior follows the pool
+                req.rewarm(d, self._warm(d))
             cap = min(cap, self.max_gamma)
             if unmeasured and cap > 0:
                 out[i] = Choice(unmeasured.pop(0), min(2, cap))
+            elif probing and cap > 0:  # with the step's tree budget: the tree gate scores this step's mode
+                d = probing.pop(0)
+                out[i] = Choice(d, cap, nodes=self._nodes(d))
             elif cap > 0 and self.cost.goodput.seen:
                 open_.append((i, req, cap))
         for i, choice in self._drained(slots, open_, verify_price, lam).items():

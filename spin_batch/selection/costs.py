@@ -89,6 +89,8 @@ class CostModel:
         self._decode = [0.0] * 5  # the same over decode steps only
         self.drafts: dict[str, DraftCost] = {}
         self.goodput = Ema(0.9, 0.0)  # tokens per second of the whole batch: tracks faster than costs
+        # the same per number of decoding slots: a second is worth what the batch makes of it at its size now
+        self.goodput_at: dict[int, Ema] = {}
 
     def observe_verify(self, tokens: int, seconds: float, prefill_tokens: int = 0) -> None:
         for sums in (self._all,) if prefill_tokens else (self._all, self._decode):
@@ -152,7 +154,17 @@ class CostModel:
         decode_s = self.decode_seconds(outcomes, costs)
         if gained and decode_s > 0:
             self.goodput.update(gained / decode_s)
+            self.goodput_at.setdefault(len(outcomes), Ema(0.9, 0.0)).update(gained / decode_s)
         return gained, decode_s
+
+    def lam(self, slots: int | None = None) -> float:
+        """The goodput (tokens per second) measured at `slots` decoding slots, else over all steps.
+
+        One goodput for the whole run priced a second at 4 slots' rate once the job's tail had left 1 or
+        2: there a costly, accurate draft (the int8 copy of the target) looked twice as dear as it was
+        and cheap drafts took its place (BENCHMARKS.md, 2026-12-07)."""
+        at = self.goodput_at.get(slots) if slots is not None else None
+        return at.value if at is not None else self.goodput.value
 
 
 class Pricing:
@@ -168,10 +180,11 @@ class Pricing:
         self.cost = cost if cost is not None else CostModel()
         self._chains = {d: [1.0, 1.0] for d in gated}  # per gated drafter: [tokens proposed, chains cut short]
 
-    def prices(self) -> tuple[float, float]:
-        """(verify_price, lam): what a verified token costs in tokens, and the goodput (tokens per second)."""
+    def prices(self, slots: int | None = None) -> tuple[float, float]:
+        """(verify_price, lam): what a verified token costs in tokens, and the goodput (tokens per second) at
+        `slots` decoding slots (CostModel.lam)."""
         _, c1 = self.cost.verify_coeffs()
-        lam = self.cost.goodput.value
+        lam = self.cost.lam(slots)
         return lam * c1, lam
 
     def goes_on(self, drafter: str) -> float | None:

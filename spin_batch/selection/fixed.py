@@ -26,7 +26,7 @@ def fixed_choices(names: list[str | None], caps: list[int], gamma: int, pricing:
     trees = trees or {}
     if pricing is None:
         return [Choice(n, min(cap, gamma)) if n is not None and cap > 0 else NO_SPEC for n, cap in zip(names, caps)]
-    verify_price, lam = pricing.prices()
+    verify_price, lam = pricing.prices(len(names))
     sharing = Counter(n for n, cap in zip(names, caps) if n is not None and cap > 0)
     out = []
     for n, cap in zip(names, caps):
