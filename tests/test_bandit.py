@@ -524,7 +524,7 @@ def test_a_measured_drafter_is_probed_at_the_cap_until_the_pool_knows_it():
         policy.cost.observe_verify(n, 0.02 + 0.0005 * n)
     for d, s in (("cheap", 0.0002), ("costly", 0.002)):
         policy.cost.observe_draft(d, 2, 2 * s)
-    policy.cost.goodput.update(200.0)
+    policy.cost.goodput.add(200.0, 1.0)
     policy.pooled["cheap"] = Beta(1.0 + 300, 1.0 + 300)
     policy.pooled["costly"] = Beta(1.0 + 1, 1.0 + 1)  # its first trial: 1 of 2
     for s in (0, 1):
@@ -549,3 +549,13 @@ def test_goodput_is_kept_per_batch_size():
         cm.learn([one], StepCosts({"verify": 0.02}, 1, {}, {}))  # 50 at 1
     assert cm.lam(4) == pytest.approx(200.0) and cm.lam(1) == pytest.approx(50.0)
     assert 50.0 < cm.lam(2) < 200.0  # not measured at 2 slots: the goodput over all steps
+
+
+def test_goodput_is_tokens_over_seconds_not_a_mean_of_step_ratios():
+    """Short steps gain more per second; averaging their ratios would overstate the goodput (and so the price
+    of every second a costly draft takes)."""
+    cm = CostModel()
+    for _ in range(40):
+        cm.learn([Outcome(0, Choice("d", 4), 4, 4)], StepCosts({"verify": 0.01}, 5, {}, {}))  # 5 tokens in 10 ms
+        cm.learn([Outcome(0, Choice("d", 4), 4, 0)], StepCosts({"verify": 0.09}, 5, {}, {}))  # 1 token in 90 ms
+    assert cm.lam(1) == pytest.approx(6 / 0.1, rel=0.1)  # not (500 + 11) / 2
