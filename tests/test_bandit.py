@@ -9,7 +9,7 @@ import pytest
 
 from spin_batch.bench_policies import assigned_policy
 from spin_batch.selection.bandit import PRIOR_STRENGTH, BanditPolicy, Beta, RequestArms
-from spin_batch.selection.costs import CostModel
+from spin_batch.selection.costs import CostModel, RatioEma
 from spin_batch.selection.factory import make_policy
 from spin_batch.selection.joint import expected_gain
 from spin_batch.selection.policy import Choice, Outcome, StepCosts
@@ -493,9 +493,10 @@ def test_exploration_is_charged_to_the_pooled_evidence():
     assert 0 < known < 0.05 < 0.3 < new, (known, new)
 
 
-def test_a_requests_prior_follows_the_pool_and_keeps_its_own_observations():
-    """A request admitted before the pool knew a drafter is not stuck with the cold prior: at every step its
-    arm is the current pooled posterior (shrunk to PRIOR_STRENGTH) plus what the request itself observed."""
+def test_a_requests_prior_follows_the_pool_until_it_drafts_with_the_drafter():
+    """A request admitted before the pool knew a drafter is not stuck with the cold prior: until the request
+    drafts with it, its arm is the current pooled posterior shrunk to PRIOR_STRENGTH; from then on its own
+    observations sit on the prior it had then."""
     policy = BanditPolicy(["d"], max_gamma=4, seed=0, backoff=False)
     policy.on_admit(0)
     assert policy.requests[0].arms["d"].mean == pytest.approx(0.3)  # nothing pooled yet: the cold prior
@@ -503,13 +504,12 @@ def test_a_requests_prior_follows_the_pool_and_keeps_its_own_observations():
     policy.choose([0], [4])
     arm = policy.requests[0].arms["d"]
     assert arm.n == pytest.approx(PRIOR_STRENGTH) and arm.mean == pytest.approx(96 / 102)
-    # the request's own observation (1 of 4 accepted) stays on top of the prior as the pool moves on
     policy.learn([Outcome(0, Choice("d", 4), 4, 1)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
     policy.pooled["d"] = Beta(1.0 + 900, 1.0 + 100)
     policy.choose([0], [4])
     arm = policy.requests[0].arms["d"]
-    assert arm.alpha == pytest.approx(901 / 1002 * PRIOR_STRENGTH + 1)
-    assert arm.beta == pytest.approx(101 / 1002 * PRIOR_STRENGTH + 1)
+    assert arm.alpha == pytest.approx(96 / 102 * PRIOR_STRENGTH + 1)  # its own 1 of 4 on the prior it had
+    assert arm.beta == pytest.approx(6 / 102 * PRIOR_STRENGTH + 1)
 
 
 def test_a_measured_drafter_is_probed_at_the_cap_until_the_pool_knows_it():
@@ -559,3 +559,23 @@ def test_goodput_is_tokens_over_seconds_not_a_mean_of_step_ratios():
         cm.learn([Outcome(0, Choice("d", 4), 4, 4)], StepCosts({"verify": 0.01}, 5, {}, {}))  # 5 tokens in 10 ms
         cm.learn([Outcome(0, Choice("d", 4), 4, 0)], StepCosts({"verify": 0.09}, 5, {}, {}))  # 1 token in 90 ms
     assert cm.lam(1) == pytest.approx(6 / 0.1, rel=0.1)  # not (500 + 11) / 2
+
+
+def test_no_probe_where_even_a_perfect_draft_cannot_pay():
+    """At a batch size where a verified row costs more than the best case of a costly drafter brings, it is
+    not probed: the probe would only slow the step it runs in."""
+    policy = BanditPolicy(["costly"], max_gamma=4, seed=0, backoff=False)
+    policy.gamma_exploration = 0.0
+    for n in range(16, 81, 8):  # verify: 1.2 ms a row, the batch making 400 tokens/s
+        policy.cost.observe_verify(n, 0.02 + 0.0012 * n)
+    policy.cost.observe_draft("costly", 4, 0.030, forwards=4)  # 6.5 ms a forward + 1 ms a row
+    policy.cost.observe_draft("costly", 64, 0.090, forwards=4)
+    policy.cost.goodput.add(400.0, 1.0)
+    policy.cost.goodput_at[1] = RatioEma(0.9)
+    policy.cost.goodput_at[1].add(60.0, 1.0)  # one slot makes 60 tokens/s
+    policy.pooled["costly"] = Beta(1.0 + 1, 1.0 + 1)
+    slots = list(range(16))
+    for s in slots:
+        policy.on_admit(s)
+    assert all(c.gamma == 0 for c in policy.choose(slots, [4] * 16))
+    assert policy.choose([0], [4])[0] == Choice("costly", 4)  # alone, with a goodput to match, it may pay

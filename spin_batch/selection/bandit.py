@@ -17,15 +17,19 @@ the cost model prices a node's verified row, not all a tree spends (its draft ro
 tree, the tree rule and the compaction run per slot), and a gap that small is the outcome's to settle.
 
 Warm start: new requests start from the pooled posterior of all requests so far, scaled down to
-a few pseudo-observations, so short requests do not pay for exploration. That prior follows the
-pool: at every step a request's arms are the current pooled posterior (so shrunk) plus the
-request's own observations. Warmed once at admission only, the requests already running when a
-costly drafter was first measured kept the cold prior for it (0.3), or that prior plus one short
-trial, for their whole length, at which it never paid: at 4 slots, 16 demo prompts, the int8 copy
-of the target (96% of its tokens accepted) drafted in a third of the run's steps (BENCHMARKS.md).
+a few pseudo-observations, so short requests do not pay for exploration. Until a request drafts
+with a drafter, its prior for it follows the pool (it is warmed again at every step); from then on
+the request's own observations sit on the prior it had then. Warmed once at admission only, the
+requests already running when a costly drafter was first measured kept the cold prior for it (0.3)
+for their whole length, at which it never paid: at 4 slots, 16 demo prompts, the int8 copy of the
+target (96% of its tokens accepted) drafted in a third of the run's steps (BENCHMARKS.md). A prior
+that kept following the pool after the request's own observations drafted more at 16 slots, where
+drafting barely pays: 0.94x against 0.97x autoregressive (one bench each, ranges 0.93-0.95 and
+0.95-0.99), so it was not kept.
 
 Probing: a drafter is first tried by one slot with a short draft (its cost unknown), then by one slot
-a step at the slot's cap until the pool holds PROBE_EVIDENCE observations of it. The joint choice
+a step at the slot's cap until the pool holds PROBE_EVIDENCE observations of it, at batch sizes where
+it could pay at all (_could_pay). The joint choice
 sets gamma at the posterior mean, so without this a drafter whose first trial went badly was not
 drafted with again, whatever its cost would have bought.
 
@@ -60,7 +64,7 @@ from .costs import CostModel, Pricing
 from .gate import StepGate
 
 TREES_FIRST_SLOTS = 1  # up to this many decoding slots, token trees are the tree gate's favoured mode
-from .joint import JointChoice
+from .joint import JointChoice, best_gamma, chain_spend
 from .policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
 
 PRIOR_STRENGTH = 6.0  # pseudo-tokens a warm start is worth
@@ -91,14 +95,12 @@ class Beta:
 class RequestArms:
     arms: dict[str, Beta]
     steps: int = 0
-    # per drafter, the pooled prior inside its arm (the rest is the request's own): re-warmed each step
+    # per drafter not drafted with yet, the pooled prior that is its arm: re-warmed each step
     warm: dict[str, Beta] = field(default_factory=dict)
 
     def rewarm(self, drafter: str, prior: Beta) -> None:
-        """Replace the prior inside the drafter's arm by `prior`, keeping the request's own observations."""
-        arm, old = self.arms[drafter], self.warm[drafter]
-        self.arms[drafter] = Beta(arm.alpha - old.alpha + prior.alpha, arm.beta - old.beta + prior.beta)
-        self.warm[drafter] = prior
+        """The arm of a drafter this request has not drafted with yet becomes `prior`."""
+        self.arms[drafter] = self.warm[drafter] = prior
 
 
 @dataclass
@@ -176,7 +178,8 @@ class BanditPolicy(Policy):
         unmeasured = [] if self.draining else [d for d in self.drafters if not self.cost.measured(d)]
         # then one slot a step drafts with it to the slot's cap until the pool knows it (see Probing above)
         probing = [] if self.draining else [d for d in self.drafters if self.cost.measured(d)
-                                            and self.pooled[d].n - 2.0 < PROBE_EVIDENCE]
+                                            and self.pooled[d].n - 2.0 < PROBE_EVIDENCE
+                                            and self._could_pay(d, len(slots), max(caps, default=0), verify_price, lam)]
         explore = not self.draining and slots and self.rng.random() < self.gamma_exploration
         explorer = self.rng.randrange(len(slots)) if explore else -1
         out: list[Choice] = [NO_SPEC] * len(slots)
@@ -187,7 +190,7 @@ class BanditPolicy(Policy):
                 self.on_admit(s)
                 req = self.requests[s]
             req.steps += 1
-            for d in req.warm:  # the prior follows the pool
+            for d in req.warm:  # the prior follows the pool until the request drafts with d
                 req.rewarm(d, self._warm(d))
             cap = min(cap, self.max_gamma)
             if unmeasured and cap > 0:
@@ -208,6 +211,16 @@ class BanditPolicy(Policy):
                 g = self.rng.randint(0, cap)
                 out[explorer] = Choice(name, g) if g else NO_SPEC  # ungated: the cost model must see N vary
         return out
+
+    def _could_pay(self, drafter: str, n: int, cap: int, verify_price: float, lam: float) -> bool:
+        """Whether the drafter beats plain decoding at this batch size in the best case: every token
+        accepted and its forwards shared by all n slots. A probe of one that cannot (the int8 copy of the
+        target at 16 slots, where a verified row costs half a token) only slows the step it runs in."""
+        if cap <= 0 or not self.cost.goodput.seen:
+            return False
+        f, s = self.cost.draft_coeffs(drafter)
+        spend = [chain_spend(g, self.pricing.goes_on(drafter)) for g in range(min(cap, self.max_gamma) + 1)]
+        return best_gamma(0.999, verify_price, lam * (s + f / max(n, 1)), spend)[1] > 0
 
     def _drained(self, slots: list[int], open_: list[tuple[int, RequestArms, int]], verify_price: float,
                  lam: float) -> dict[int, Choice]:
@@ -275,5 +288,6 @@ class BanditPolicy(Policy):
             # always did.
             req = self.requests.get(o.slot)
             if req is not None:
+                req.warm.pop(o.choice.drafter, None)  # its own evidence now: the prior stops following the pool
                 req.arms[o.choice.drafter].observe(o.choice.gamma, o.accepted)
             self.pooled[o.choice.drafter].observe(o.choice.gamma, o.accepted)
