@@ -124,7 +124,19 @@ def test_backs_off_to_gamma_zero_when_verification_is_expensive():
 
 
 def test_speculates_when_verification_is_cheap():
-    assert _late_share(c0=0.04, c1=0.0005, speculating=True) > 0.9
+    # drafting pays here by about 0.2 tokens a slot; a slot whose posterior mean has dipped, so that the
+    # model calls it within DRAFT_MARGIN of plain decoding, decodes plainly (0.93 of picks without the margin)
+    assert _late_share(c0=0.04, c1=0.0005, speculating=True) > 0.75
+
+
+def test_a_draft_must_beat_plain_decoding_by_the_margin():
+    from spin_batch.selection.joint import DRAFT_MARGIN, best_gamma, chain_spend, expected_gain
+
+    spend = [chain_spend(g, None) for g in range(2)]
+    gain = expected_gain(1, 0.5)  # 1.5 tokens for one draft, priced at what leaves 1 + DRAFT_MARGIN / 2
+    price = gain - 1.0 - DRAFT_MARGIN / 2
+    assert best_gamma(0.5, price, 0.0, spend) == (1.0, 0)
+    assert best_gamma(0.5, price - DRAFT_MARGIN, 0.0, spend)[1] == 1
 
 
 def _backoff_world(backoff: bool, overhead: float, seed: int) -> tuple[float, float]:

@@ -18,6 +18,9 @@ from __future__ import annotations
 import math
 
 JOINT_PASSES = 3  # best-response passes over the batch (JointChoice)
+# tokens a slot's draft must gain beyond plain decoding: the work a draft costs that no line of the cost
+# model prices (its request, the accept rule, the commit), so a choice the model calls a tie is not drafted
+DRAFT_MARGIN = 0.05
 
 
 def expected_gain(gamma: int, a: float) -> float:
@@ -60,7 +63,7 @@ def best_gamma(a: float, verify_price: float, position_price: float, spend: list
     for g in range(1, len(spend)):
         value = (chain_value(g, a, verify_price, position_price, spend[g])
                  - forward_price * max(spend[g][1] - depth, 0.0))
-        if value > best_value:
+        if value > best_value + (DRAFT_MARGIN if best_g == 0 else 0.0):
             best_value, best_g = value, g
     return best_value, best_g
 
