@@ -524,11 +524,11 @@ def test_a_requests_prior_follows_the_pool_until_it_drafts_with_the_drafter():
     assert arm.beta == pytest.approx(6 / 102 * PRIOR_STRENGTH + 1)
 
 
-def test_a_measured_drafter_is_probed_at_the_cap_until_the_pool_knows_it():
-    """After its short first trial, a drafter the pool has seen little of is drafted by one slot a step at
-    that slot's cap: the joint choice prices gamma at the posterior mean, so a costly drafter whose first
-    short trial went badly would otherwise never be tried again."""
-    from spin_batch.selection.bandit import PROBE_EVIDENCE
+def test_a_measured_drafter_is_probed_at_the_cap_for_a_few_steps():
+    """After its short first trial, a drafter is drafted by one slot a step at that slot's cap until PROBE_PULLS
+    steps have drafted with it: the joint choice prices gamma at the posterior mean, so a costly drafter whose
+    first short trial went badly would otherwise never be tried again."""
+    from spin_batch.selection.bandit import PROBE_PULLS
 
     policy = BanditPolicy(["cheap", "costly"], max_gamma=6, seed=0, backoff=False)
     policy.gamma_exploration = 0.0
@@ -538,16 +538,18 @@ def test_a_measured_drafter_is_probed_at_the_cap_until_the_pool_knows_it():
         policy.cost.observe_draft(d, 2, 2 * s)
     policy.cost.goodput.add(200.0, 1.0)
     policy.pooled["cheap"] = Beta(1.0 + 300, 1.0 + 300)
+    policy.pulls["cheap"] = 300  # well known
     policy.pooled["costly"] = Beta(1.0 + 1, 1.0 + 1)  # its first trial: 1 of 2
+    policy.pulls["costly"] = 1
     for s in (0, 1):
         policy.on_admit(s)
     probes = 0
-    while policy.pooled["costly"].n - 2.0 < PROBE_EVIDENCE:
+    while policy.pulls["costly"] < PROBE_PULLS:
         picks = policy.choose([0, 1], [6, 3])
         assert picks[0] == Choice("costly", 6)  # slot 1 is the joint choice's
         policy.learn([Outcome(0, picks[0], 6, 6)], StepCosts({"verify": 0.0235}, 7, {"costly": 0.012}, {"costly": 6}))
         probes += 1
-    assert probes == 2  # 6 + 1 observations a probe, 12 wanted (2 were there)
+    assert probes == PROBE_PULLS - 1
     assert policy.pooled["costly"].mean > 0.85
     assert all(c.drafter == "costly" and c.gamma == 6 for c in policy.choose([0, 1], [6, 6]))  # now it pays
 
