@@ -25,18 +25,6 @@ def decay_into(sums: list[float], values: tuple[float, ...], decay: float) -> No
         sums[i] = decay * sums[i] + v
 
 
-class Ema:
-    def __init__(self, decay: float, init: float):
-        self.decay = decay
-        self.value = init
-        self.seen = False
-
-    def update(self, x: float) -> float:
-        self.value = x if not self.seen else self.decay * self.value + (1 - self.decay) * x
-        self.seen = True
-        return self.value
-
-
 class DraftCost:
     """One drafter's time per call: f seconds per forward plus s per draft position, fitted online.
 
