@@ -132,18 +132,16 @@ MICRO_SET(micro, MICROS, float, float, LOAD_F32, AS_FLOAT)
             MICRO_FN;                                                                                    \
         }
 
-/* w [O, K] row-major -> wp [Op / 16][K][16], Op a multiple of 32 >= O; rows O..Op-1 are zero (T: the storage). */
-#define PACK_PANELS(NAME, T)                                                                             \
-    void NAME(const T *w, T *wp, int64_t O, int64_t K, int64_t Op) {                                     \
-        _Pragma("omp parallel for schedule(static)")                                                     \
-        for (int64_t p = 0; p < Op / 16; p++)                                                            \
-            for (int64_t k = 0; k < K; k++)                                                              \
-                for (int64_t j = 0; j < 16; j++) {                                                       \
-                    int64_t o = p * 16 + j;                                                              \
-                    wp[(p * K + k) * 16 + j] = o < O ? w[o * K + k] : (T)0;                              \
-                }                                                                                        \
-    }
-PACK_PANELS(spin_gemm_pack, float)
+/* w [O, K] row-major -> wp [Op / 16][K][16], Op a multiple of 32 >= O; rows O..Op-1 are zero. */
+void spin_gemm_pack(const float *w, float *wp, int64_t O, int64_t K, int64_t Op) {
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < Op / 16; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < 16; j++) {
+                int64_t o = p * 16 + j;
+                wp[(p * K + k) * 16 + j] = o < O ? w[o * K + k] : 0.0f;
+            }
+}
 
 /* y [M, Op] = x [M, K] @ w^T, w packed by spin_gemm_pack. */
 void spin_gemm(const float *x, const float *wp, float *y, int64_t M, int64_t Op, int64_t K) {
