@@ -1,6 +1,7 @@
 """Int8 copies (spin_batch/models/quantize.py) and their C GEMM (spin_gemm_q8: int8 weights, inputs rounded
 to int8 per group of 64): values against a float64 reference, batch independence, the torch fallback with
-the same rounding, the whole-model copy on both CPU paths."""
+the same rounding, the whole-model copy on both CPU paths; the copy's LM head on C (RescoredHead: int4 proxy
+logits, the best ids rescored by the int8 head)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from spin_batch.models import cpu_decoder, execution
 from spin_batch.models.checkpoint import load_state_dict
 from spin_batch.models.llama import Linear
 from spin_batch.models.loader import load_model
-from spin_batch.models.quantize import fake_quantize_groups, quantize_rows
+from spin_batch.models.quantize import (RESCORED, RescoredHead, fake_quantize_groups, quantize_groups4,
+                                        quantize_rows)
 from spin_batch.models.segments import Segments
 
 
@@ -102,7 +104,7 @@ def test_int8_copy_of_a_model_is_close_to_it_and_shares_its_embedding(tiny_dir, 
     copy = target.int8_copy(load_state_dict(tiny_dir))
     assert copy.embed is target.embed and len(copy.layers) == target.spec.num_layers
     assert (copy.c_decoder is not None) == (path == "c")
-    assert (copy.lm_head.panel is not None) == (path == "c")
+    assert isinstance(copy.lm_head, RescoredHead) == (path == "c")
     short = target.int8_copy(load_state_dict(tiny_dir), num_layers=1)
     assert len(short.layers) == 1
     g = torch.Generator().manual_seed(4)
@@ -111,4 +113,38 @@ def test_int8_copy_of_a_model_is_close_to_it_and_shares_its_embedding(tiny_dir, 
     want = target.forward(tokens, seg, target.allocate_cache(1, 64))
     got = copy.forward(tokens, seg, copy.allocate_cache(1, 64))
     assert not torch.equal(got, want)  # really quantized
-    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    if path == "torch":
+        assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    else:  # int4 logits but at each row's best ids (RescoredHead), where they are the int8 head's: its choices
+        torch_copy = load_model(tiny_dir, plan=execution.forced("torch"), execution=execution.Execution(cpu="torch"))
+        int8 = torch_copy.int8_copy(load_state_dict(tiny_dir)).forward(tokens, seg, torch_copy.allocate_cache(1, 64))
+        assert torch.equal(got.argmax(-1), int8.argmax(-1))
+
+
+def test_quantize_groups4_rounds_each_group_of_a_row_to_its_own_scale():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(6, 150, generator=g)
+    w[2, 64:128] = 0.0  # an all-zero group keeps a finite scale
+    q, scale = quantize_groups4(w)
+    assert q.shape == (6, 150) and scale.shape == (6, 3) and torch.isfinite(scale).all()
+    assert q.abs().max() <= 7 and (q[2, 64:128] == 0).all()
+    per = scale.repeat_interleave(64, dim=1)[:, :150]
+    assert ((q.float() * per - w).abs() <= per / 2 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("V,K", [(1000, 200), (5, 64)])
+def test_rescored_head_is_int4_but_at_its_best_ids_where_it_is_the_int8_head(lib, V, K):
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(V, K, generator=g), torch.randn(9, K, generator=g) * 3
+    head, int8 = RescoredHead(lib, w), Linear(w, quantize=True)
+    assert int8.panel is not None
+    got, want8 = head(x), int8(x)
+    q4, s4 = quantize_groups4(w)
+    proxy = fake_quantize_groups(x).double() @ (q4.double() * s4.double().repeat_interleave(64, dim=1)[:, :K]).T
+    best = proxy.topk(min(RESCORED, V), dim=-1).indices
+    rescored = torch.zeros(9, V, dtype=torch.bool).scatter_(1, best, True)
+    assert torch.equal(got[rescored], want8[rescored])  # bit for bit the int8 GEMM's logits
+    torch.testing.assert_close(got[~rescored].double(), proxy[~rescored], rtol=1e-5, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want8.argmax(-1))  # the int8 head's choice wherever the proxy ranks it
+    for lo, hi in [(0, 1), (4, 5), (2, 9)]:
+        assert torch.equal(head(x[lo:hi]), got[lo:hi])

@@ -339,6 +339,213 @@ void spin_gemm_q8(const float *x, const uint8_t *wp, const float *scale, float *
         }
 }
 
+/* Int4 weights, for the LM head of a draft's int8 copy (quantize.py, RescoredHead): a proxy whose largest
+ * logits are then recomputed from the int8 head. Weights are int4 values in -8..7 with a float32 scale per
+ * output row and group of QG inputs (the activation groups, so one scale product per group and output).
+ * The input rounds to int8 per group of QG as in spin_gemm_q8; a group's products sum exactly in int32.
+ *
+ * Layout: panels of 16 output rows by octets of k, wp[o / 16][k / 8][o % 16][4 bytes] (64 bytes an octet):
+ * byte b of an output's 4 holds k = 8q + b in its low nibble and k = 8q + 4 + b in its high nibble, each
+ * stored + 8 (0..15). Masking and shifting a 64-byte vector gives two vectors of 16 outputs x 4 unsigned
+ * bytes: the layout of spin_gemm_q8 at half the bytes.
+ * - AVX512-VNNI: vpdpbusd on each half; 8 x the group's input sum is taken off.
+ * - AVX2: vpmaddubsw (unsigned weights by signed inputs: at most 2 x 15 x 128 a pair, two pairs fit int16)
+ *   and vpmaddwd; the same offset taken off.
+ * - Elsewhere: the same sums in plain C.
+ * ws (scales) is [Op / 16][G][16]. y[m, o] = sum over groups, in order, of (isum * xscale[m, g]) * ws[o, g]. */
+#define Q4_OFFSET 8
+
+/* w [O, K] int8 (values in -8..7) row-major -> wp [Op / 16][Kp / 8][16][4] (Op a multiple of 32 >= O). */
+void spin_gemm_pack_q4(const int8_t *w, uint8_t *wp, int64_t O, int64_t K, int64_t Op) {
+    int64_t Kp = q8_padded(K);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < Op / 16; p++)
+        for (int64_t q = 0; q < Kp / 8; q++)
+            for (int64_t j = 0; j < 16; j++)
+                for (int64_t b = 0; b < 4; b++) {
+                    int64_t o = p * 16 + j, lo = 8 * q + b, hi = lo + 4;
+                    int vl = o < O && lo < K ? w[o * K + lo] : 0, vh = o < O && hi < K ? w[o * K + hi] : 0;
+                    wp[((p * (Kp / 8) + q) * 16 + j) * 4 + b] = (uint8_t)((vl + Q4_OFFSET) | ((vh + Q4_OFFSET) << 4));
+                }
+}
+
+static inline __attribute__((always_inline)) void q4_unit(const int8_t *xq, const float *xs, const int32_t *xsum,
+                                                          const uint8_t *wp, const float *ws, float *y, int64_t ldy,
+                                                          int64_t Kp, int64_t u, int R) {
+    int64_t G = Kp / QG;
+    const uint8_t *w0 = wp + 2 * u * Kp * 8, *w1 = w0 + Kp * 8;
+    const float *s0 = ws + 2 * u * G * 16, *s1 = s0 + G * 16;
+    for (int m = 0; m < R; m++)
+        for (int j = 0; j < 32; j++) y[m * ldy + j] = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+        __m512i a[Q8_MR][2];
+        const __m512i nib = _mm512_set1_epi8(0x0f);
+        for (int m = 0; m < R; m++) a[m][0] = a[m][1] = _mm512_setzero_si512();
+        for (int64_t q = g * (QG / 8); q < (g + 1) * (QG / 8); q++) {
+            _mm_prefetch((const char *)(w0 + (q + Q8_PF) * 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + (q + Q8_PF) * 64), _MM_HINT_T0);
+            __m512i v0 = _mm512_loadu_si512(w0 + q * 64), v1 = _mm512_loadu_si512(w1 + q * 64);
+            __m512i l0 = _mm512_and_si512(v0, nib), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nib);
+            __m512i l1 = _mm512_and_si512(v1, nib), h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nib);
+            for (int m = 0; m < R; m++) {
+                int32_t xl, xh;
+                __builtin_memcpy(&xl, xq + m * Kp + q * 8, 4);
+                __builtin_memcpy(&xh, xq + m * Kp + q * 8 + 4, 4);
+                __m512i bl = _mm512_set1_epi32(xl), bh = _mm512_set1_epi32(xh);
+                a[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][0], l0, bl), h0, bh);
+                a[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][1], l1, bl), h1, bh);
+            }
+        }
+        for (int m = 0; m < R; m++) {
+            __m512i c = _mm512_set1_epi32(Q4_OFFSET * xsum[m * G + g]);
+            __m512 s = _mm512_set1_ps(xs[m * G + g]);
+            for (int j = 0; j < 2; j++) {
+                float *yp = y + m * ldy + 16 * j;
+                __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[m][j], c)), s);
+                _mm512_storeu_ps(yp, _mm512_fmadd_ps(f, _mm512_loadu_ps((j ? s1 : s0) + g * 16), _mm512_loadu_ps(yp)));
+            }
+        }
+#elif defined(__AVX2__)
+        __m256i a[Q8_MR][4];
+        const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(0x0f);
+        for (int m = 0; m < R; m++)
+            for (int j = 0; j < 4; j++) a[m][j] = _mm256_setzero_si256();
+        for (int64_t q = g * (QG / 8); q < (g + 1) * (QG / 8); q++) {
+            _mm_prefetch((const char *)(w0 + (q + Q8_PF) * 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + (q + Q8_PF) * 64), _MM_HINT_T0);
+            __m256i l[4], h[4];
+            for (int j = 0; j < 4; j++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)((j < 2 ? w0 : w1) + q * 64 + 32 * (j % 2)));
+                l[j] = _mm256_and_si256(v, nib);
+                h[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            }
+            for (int m = 0; m < R; m++) {
+                int32_t xl, xh;
+                __builtin_memcpy(&xl, xq + m * Kp + q * 8, 4);
+                __builtin_memcpy(&xh, xq + m * Kp + q * 8 + 4, 4);
+                __m256i bl = _mm256_set1_epi32(xl), bh = _mm256_set1_epi32(xh);
+                for (int j = 0; j < 4; j++) {
+                    __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(l[j], bl), _mm256_maddubs_epi16(h[j], bh));
+                    a[m][j] = _mm256_add_epi32(a[m][j], _mm256_madd_epi16(t, ones));
+                }
+            }
+        }
+        for (int m = 0; m < R; m++) {
+            __m256i c = _mm256_set1_epi32(Q4_OFFSET * xsum[m * G + g]);
+            __m256 s = _mm256_set1_ps(xs[m * G + g]);
+            for (int j = 0; j < 4; j++) {
+                float *yp = y + m * ldy + 8 * j;
+                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[m][j], c)), s);
+                const float *sp = (j < 2 ? s0 : s1) + g * 16 + 8 * (j % 2);
+                _mm256_storeu_ps(yp, _mm256_fmadd_ps(f, _mm256_loadu_ps(sp), _mm256_loadu_ps(yp)));
+            }
+        }
+#else
+        for (int m = 0; m < R; m++)
+            for (int j = 0; j < 32; j++) {
+                const uint8_t *wj = (j < 16 ? w0 : w1) + (j % 16) * 4;
+                int32_t acc = 0;
+                for (int64_t q = g * (QG / 8); q < (g + 1) * (QG / 8); q++)
+                    for (int b = 0; b < 4; b++) {
+                        int v = wj[q * 64 + b];
+                        acc += (int32_t)xq[m * Kp + q * 8 + b] * ((v & 15) - Q4_OFFSET);
+                        acc += (int32_t)xq[m * Kp + q * 8 + 4 + b] * ((v >> 4) - Q4_OFFSET);
+                    }
+                float f = (float)acc * xs[m * G + g];
+                y[m * ldy + j] = __builtin_fmaf(f, (j < 16 ? s0 : s1)[g * 16 + j % 16], y[m * ldy + j]);
+            }
+#endif
+    }
+}
+
+/* 1 where one of the 16 floats at r is above t. */
+static inline int any_above16(const float *r, float t) {
+#if defined(__AVX512F__)
+    return _mm512_cmp_ps_mask(_mm512_loadu_ps(r), _mm512_set1_ps(t), _CMP_GT_OQ) != 0;
+#elif defined(__AVX2__)
+    __m256 tt = _mm256_set1_ps(t);
+    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(r), tt, _CMP_GT_OQ),
+                                           _mm256_cmp_ps(_mm256_loadu_ps(r + 8), tt, _CMP_GT_OQ))) != 0;
+#else
+    int any = 0;
+    for (int i = 0; i < 16; i++) any |= r[i] > t;
+    return any;
+#endif
+}
+
+/* The indices of the k largest of r [V], largest first (ties: the lower index first), into id [k]; k <= 64
+ * and k <= V. Once k are held, blocks of 16 with none above the k-th are skipped whole. */
+static void top_k(const float *r, int64_t V, int64_t k, int64_t *id) {
+    float val[64];
+    int64_t n = 0;
+    for (int64_t i = 0; i < V; i++) {
+        if (n == k && i % 16 == 0 && i + 16 <= V && !any_above16(r + i, val[k - 1])) {
+            i += 15;
+            continue;
+        }
+        float v = r[i];
+        if (n == k && !(v > val[k - 1])) continue;
+        int64_t p = n < k ? n++ : k - 1; /* insertion: the last entry drops out when full */
+        while (p > 0 && v > val[p - 1]) {
+            val[p] = val[p - 1];
+            id[p] = id[p - 1];
+            p--;
+        }
+        val[p] = v;
+        id[p] = i;
+    }
+}
+
+/* An int8 copy's LM head (quantize.py, RescoredHead): y [M, Op] = the int4 proxy logits of x [M, K] (wp4, ws
+ * packed by spin_gemm_pack_q4), then, per row, the k ids with the largest proxy logits among the first V get
+ * the int8 head's logit instead: q8 [V, K] int8 row-major with scale8 [V], computed as spin_gemm_q8 computes it
+ * (the same rounding, sums and order), so those entries equal that GEMM's output bit for bit. idx [M, k] gets the
+ * rescored ids. scratch: spin_gemm_q8_scratch(M, K) bytes. A row's result does not depend on the others. */
+void spin_head_q4(const float *x, const uint8_t *wp4, const float *ws, const int8_t *q8, const float *scale8,
+                  float *y, int64_t *idx, int64_t M, int64_t Op, int64_t K, int64_t V, int64_t k, void *scratch) {
+    int64_t Kp = q8_padded(K), G = Kp / QG;
+    int8_t *xq = (int8_t *)scratch;
+    float *xs = (float *)(xq + M * Kp);
+    int32_t *xsum = (int32_t *)(xs + M * G);
+    q8_rows(x, M, K, xq, xs, xsum);
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < Op / 32; u++)
+        for (int64_t m0 = 0; m0 < M; m0 += Q8_MR) {
+            int r = M - m0 < Q8_MR ? (int)(M - m0) : Q8_MR;
+            const int8_t *xr = xq + m0 * Kp;
+            const float *sr = xs + m0 * G;
+            const int32_t *cr = xsum + m0 * G;
+            float *yr = y + m0 * Op + 32 * u;
+            switch (r) {
+#define Q4_CASE(R) case R: q4_unit(xr, sr, cr, wp4, ws, yr, Op, Kp, u, R); break;
+                Q4_CASE(1)
+#if Q8_MR >= 2
+                Q4_CASE(2)
+#endif
+#if Q8_MR >= 12
+                Q4_CASE(3) Q4_CASE(4) Q4_CASE(5) Q4_CASE(6) Q4_CASE(7) Q4_CASE(8) Q4_CASE(9) Q4_CASE(10) Q4_CASE(11)
+                Q4_CASE(12)
+#endif
+#undef Q4_CASE
+            }
+        }
+#pragma omp parallel for schedule(static) if (M > 1)
+    for (int64_t m = 0; m < M; m++) {
+        top_k(y + m * Op, V, k, idx + m * k);
+        for (int64_t t = 0; t < k; t++) {
+            int64_t o = idx[m * k + t];
+            float acc = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                int32_t isum = 0;
+                for (int64_t i = g * QG; i < (g + 1) * QG && i < K; i++) isum += (int32_t)xq[m * Kp + i] * q8[o * K + i];
+                acc = __builtin_fmaf((float)isum, xs[m * G + g], acc);
+            }
+            y[m * Op + o] = acc * scale8[o];
+        }
+    }
+}
+
 static inline uint16_t to_bf16(float f);
 
 static inline float bf16_to_float(uint16_t h) {

@@ -172,6 +172,8 @@ def _load() -> None:
         lib.spin_gemm_q8_scratch.argtypes = [ctypes.c_int64] * 2
         lib.spin_gemm_q8_scratch.restype = ctypes.c_int64
         lib.spin_gemm_q8_kind.restype = ctypes.c_char_p
+        lib.spin_gemm_pack_q4.argtypes = lib.spin_gemm_pack.argtypes
+        lib.spin_head_q4.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_void_p]
         lib.spin_gemm_bf16_ok.argtypes = []
         lib.spin_gemm_bf16_ok.restype = ctypes.c_int
         lib.spin_attention.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5
@@ -192,7 +194,7 @@ def _load() -> None:
         lib.spin_isa.restype = ctypes.c_char_p
         lib.spin_gemm_bf16_native.restype = ctypes.c_int
         for fn in (lib.spin_gemm_pack, lib.spin_gemm, lib.spin_gemm_pack_bf16, lib.spin_gemm_bf16, lib.spin_gemm_pack_q8,
-                   lib.spin_gemm_q8, lib.spin_rms_norm):
+                   lib.spin_gemm_q8, lib.spin_gemm_pack_q4, lib.spin_head_q4, lib.spin_rms_norm):
             fn.restype = None
     except (CpuDecoderUnavailable, OSError, subprocess.SubprocessError) as e:
         _state["lib"], _state["error"] = None, str(e)

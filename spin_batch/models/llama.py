@@ -19,7 +19,7 @@ from . import cpu_decoder, cuda_graphs
 from .attention import AttentionPlan, attention
 from .cache import KVCache
 from .execution import DEFAULT_C, TORCH, CpuPlan, Execution
-from .quantize import INT8_C, fake_quantize_groups, quantize_rows
+from .quantize import INT8_C, RescoredHead, fake_quantize_groups, quantize_rows
 from .segments import Segments
 from .spec import (EMBED_TENSOR, HEAD_TENSOR, CheckpointError, ModelSpec, UnsupportedModelError, expected_tensors,
                    tensor_problem, window_problem)
@@ -162,7 +162,7 @@ class LlamaModel:
         embed: torch.Tensor,  # [V, C]
         layers: list[LayerWeights],
         norm: torch.Tensor,  # [C]
-        lm_head: torch.Tensor,  # [V, C], or [K, C] over a vocabulary subset (see vocab_ids)
+        lm_head,  # [V, C] tensor, or [K, C] over a vocabulary subset (see vocab_ids); or a built head (RescoredHead)
         max_len: int | None = None,
         embed_proj: torch.Tensor | None = None,  # [C, E]: embeddings of width E projected to C
         quantize: bool = False,  # the LM head in int8 (Linear); the layers' linears say their own
@@ -186,8 +186,8 @@ class LlamaModel:
             lw.attn_norm, lw.mlp_norm = lw.attn_norm.float(), lw.mlp_norm.float()
         self.layers = layers
         self.norm = norm.float()
-        self.lm_head = Linear(lm_head, panel=None if self.plan is DEFAULT_C else self.plan.lm_head == "c",
-                              quantize=quantize)
+        self.lm_head = lm_head if not isinstance(lm_head, torch.Tensor) else Linear(
+            lm_head, panel=None if self.plan is DEFAULT_C else self.plan.lm_head == "c", quantize=quantize)
         self.dtype = embed.dtype
         self.device = embed.device
         self.kernels = triton_kernels(self.execution)  # Triton kernels, or None for the torch path
@@ -277,6 +277,8 @@ class LlamaModel:
         c = self.device.type == "cpu" and self.execution.cpu != "torch" and cpu_decoder.library() is not None
         layers = self.layers_from_state_dict(self.spec, get, c, quantize=True, num_layers=num_layers)
         head = get(HEAD_TENSOR if HEAD_TENSOR in state_dict else EMBED_TENSOR)
+        if c and head.dtype == torch.float32:  # the C int8 GEMM takes float32 rows
+            head = RescoredHead(cpu_decoder.library(), head)
         return LlamaModel(self.spec, self.embed, layers, self.norm, head, quantize=True,
                           plan=INT8_C if c else TORCH, execution=self.execution)
 

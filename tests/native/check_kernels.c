@@ -1,7 +1,7 @@
 /* A C check of spin_batch/models/cpu_decoder.c, for builds the Python suite cannot load: another
  * architecture (aarch64 under qemu-user) or another -march. Compiled as one unit with the kernels:
  *   cc -O2 -march=... -fopenmp tests/native/check_kernels.c -o check -lm && ./check
- * It checks the float32, bfloat16 and int8 GEMMs against a double reference, that a row's result is bitwise
+ * It checks the float32, bfloat16 and int8 GEMMs and the int4 head against a double reference, that a row's result is bitwise
  * the same alone and inside a batch (M = 1 vs M = 13), the RMS norm, and attention against a double
  * reference and alone vs inside a verify run, and tree attention (spin_attention_tree) against a double
  * reference. Prints "kernels check (<isa>, ...): N passed, M failed". */
@@ -83,6 +83,60 @@ static void gemm_q8(void) {
     }
     check(ok, "int8 GEMM matches the double reference");
     check(same, "int8 GEMM: a row alone equals the row in a batch of 13");
+}
+
+static void head_q4(void) {
+    /* K not a multiple of the group; more ids than outputs a unit; k = 8 of V = 100 (padded to 128) */
+    enum { M = 13, V = 100, K = 300, OP = 128, KP = 320, G = KP / 64, TOPK = 8 };
+    static int8_t w4[V * K], w8[V * K];
+    static uint8_t wp4[OP * KP / 2], wp8[OP * KP];
+    static float ws[OP / 16 * G * 16], sc8[OP], x[M * K], y[M * OP], y8[M * OP], y1[OP];
+    static int64_t idx[M * TOPK], idx1[TOPK];
+    static double proxy[M * V];
+    static char scratch[M * (KP + G * 8)];
+    for (int i = 0; i < V * K; i++) w4[i] = (int8_t)(rand() % 15 - 7), w8[i] = (int8_t)(rand() % 255 - 127);
+    for (int i = 0; i < OP / 16 * G * 16; i++) ws[i] = 0.01f * (1 + i % 5);
+    for (int o = 0; o < OP; o++) sc8[o] = o < V ? 0.001f * (1 + o % 7) : 0.0f;
+    for (int i = 0; i < M * K; i++) x[i] = rnd() * (i % 61 == 0 ? 20.0f : 1.0f);
+    for (int k = 0; k < 64; k++) x[k] = 0.0f; /* row 0's first group is all zero */
+    spin_gemm_pack_q4(w4, wp4, V, K, OP);
+    spin_gemm_pack_q8(w8, wp8, V, K, OP);
+    spin_head_q4(x, wp4, ws, w8, sc8, y, idx, M, OP, K, V, TOPK, scratch);
+    spin_gemm_q8(x, wp8, sc8, y8, M, OP, K, scratch);
+    int ok = 1, exact = 1, top = 1, same = 1;
+    for (int m = 0; m < M; m++) {
+        double mag = 0;
+        for (int o = 0; o < V; o++) { /* the proxy: x rounded per group as in the int8 GEMM, int4 weights */
+            double ref = 0;
+            for (int g = 0; g < G; g++) {
+                float amax = 0.0f;
+                for (int k = g * 64; k < K && k < g * 64 + 64; k++) amax = fmaxf(amax, fabsf(x[m * K + k]));
+                float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+                long isum = 0;
+                for (int k = g * 64; k < K && k < g * 64 + 64; k++) isum += lrintf(x[m * K + k] * inv) * w4[o * K + k];
+                double t = (double)isum * (amax / 127.0f) * ws[((o / 16) * G + g) * 16 + o % 16];
+                ref += t, mag += fabs(t);
+            }
+            proxy[m * V + o] = ref;
+        }
+        for (int o = 0; o < V; o++) {
+            int rescored = 0;
+            for (int t = 0; t < TOPK; t++) rescored |= idx[m * TOPK + t] == o;
+            if (rescored && y[m * OP + o] != y8[m * OP + o]) exact = 0;
+            if (!rescored && fabs(y[m * OP + o] - proxy[m * V + o]) > (G + 2) * 1.2e-7 * mag + 1e-30) ok = 0;
+            /* no id left out scores clearly above a chosen one under the proxy */
+            for (int t = 0; t < TOPK && !rescored; t++)
+                if (proxy[m * V + o] > proxy[m * V + idx[m * TOPK + t]] + (G + 2) * 2.4e-7 * mag) top = 0;
+        }
+        for (int t = 0; t < TOPK; t++)
+            for (int u = 0; u < t; u++) top &= idx[m * TOPK + t] != idx[m * TOPK + u] && idx[m * TOPK + t] < V;
+        spin_head_q4(x + m * K, wp4, ws, w8, sc8, y1, idx1, 1, OP, K, V, TOPK, scratch);
+        if (memcmp(y1, y + m * OP, V * sizeof(float)) || memcmp(idx1, idx + m * TOPK, sizeof idx1)) same = 0;
+    }
+    check(ok, "int4 head: the proxy logits match the double reference");
+    check(top, "int4 head: the rescored ids are the proxy's 8 best, distinct");
+    check(exact, "int4 head: a rescored id's logit is the int8 GEMM's, bit for bit");
+    check(same, "int4 head: a row alone equals the row in a batch of 13");
 }
 
 static void gemm_bf16(void) {
@@ -209,6 +263,7 @@ int main(void) {
     srand(1);
     gemm_f32();
     gemm_q8();
+    head_q4();
     gemm_bf16();
     norm();
     attention();
