@@ -55,25 +55,42 @@ def test_min_tokens_is_capped_by_gamma():
     assert model.asked == []
 
 
-def test_requests_reach_the_members_unchanged():
-    """The policy's confidence floor reaches the members, which gate themselves."""
+class Spy(Table):
+    """Records (member, gamma, min_prob) of each request it is asked."""
+
+    def __init__(self, name, paths, seen, gates=True):
+        super().__init__(name, paths)
+        self.seen, self.gates = seen, gates
+
+    def propose(self, rs):
+        self.seen.extend((self.name, r.gamma, r.min_prob, r.nodes) for r in rs)
+        return super().propose(rs)
+
+
+def test_requests_reach_the_members_unchanged_but_the_floor_only_those_that_gate():
+    """The policy's confidence floor reaches the members that gate themselves; a member that does not
+    (the target's int8 copy) drafts at the length asked, as it does alone."""
     seen = []
+    asked = [DraftRequest(0, [7, 7], 3, None, 0.25, nodes=8)]
+    a, b = Spy("a", {}, seen), Spy("b", {}, seen)
+    a.trees = b.trees = True
+    CascadeDrafter("c", {"a": a, "b": b}).propose(asked)
+    assert seen == [("a", 3, 0.25, 8), ("b", 3, 0.25, 8)]
+    seen.clear()
+    lookup, copy = Spy("lookup", {}, seen), Spy("copy", {}, seen, gates=False)
+    lookup.trees = True
+    cascade = CascadeDrafter("c", {"lookup": lookup, "copy": copy})
+    assert cascade.gates and cascade.trees  # so the policy sets a floor and a tree budget, for the lookup
+    cascade.propose(asked)
+    assert seen == [("lookup", 3, 0.25, 8), ("copy", 3, 0.0, 0)]
 
-    class Spy(Table):
-        def propose(self, rs):
-            seen.extend((r.gamma, r.min_prob) for r in rs)
-            return super().propose(rs)
 
-    cascade = CascadeDrafter("c", {"a": Spy("a", {}), "b": Spy("b", {})})
-    cascade.propose(reqs([0], gamma=3, min_prob=0.25))
-    assert seen == [(3, 0.25), (3, 0.25)]
-
-
-def test_gates_only_when_every_member_does_and_bad_settings_are_refused():
+def test_gates_when_any_member_does_and_bad_settings_are_refused():
     class Ungated(Table):
         gates = False
 
-    assert not CascadeDrafter("c", {"a": Table("a", {}), "b": Ungated("b", {})}).gates
+    assert CascadeDrafter("c", {"a": Table("a", {}), "b": Ungated("b", {})}).gates
+    assert not CascadeDrafter("c", {"a": Ungated("a", {}), "b": Ungated("b", {})}).gates
     with pytest.raises(ValueError, match="at least 2 members"):
         CascadeDrafter("c", {"a": Table("a", {})})
     with pytest.raises(ValueError, match="min_tokens"):

@@ -13,6 +13,13 @@ knows this: it keeps l tokens only while its learned acceptance after a match of
 raised to the l-th power, stays at or above the floor the policy sets. So "the lookup kept at
 least 2 tokens" marks the steps where it is likely right, and the model drafts the rest.
 
+The confidence floor reaches the members that honour it (`gates`), the tree budget those that grow
+trees, and the cascade is gated when
+any member is: a lookup in front of the target's int8 copy, which drafts ungated chains (docs/trees.md),
+keeps its gate, and the copy drafts what the lookup does not cover at the length the policy asked.
+Ungated (the floor of every drafter that does not honour it is 0), the lookup took every match it had:
+fixed:ngram-int8 at 1 slot accepted 56% of its draft tokens.
+
 The cascade proposes what one member proposed, with that member's q (None for a lookup), so
 it is exactly as lossless as its members. Members are configured drafters too: the loop admits
 and commits them itself, and a model member catches up on the steps it sat out.
@@ -24,6 +31,8 @@ length, so a wide but shallow lookup tree still falls through to the model.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from .base import Drafter, DraftRequest, Proposal
 from .trie import tree_depth
@@ -40,7 +49,7 @@ class CascadeDrafter(Drafter):
             raise ValueError(f"cascade drafter {name!r}: min_tokens must be >= 1, got {min_tokens}")
         self.members = members
         self.min_tokens = min_tokens
-        self.gates = all(m.gates for m in members.values())  # the floor reaches every member
+        self.gates = any(m.gates for m in members.values())  # the floor reaches the members that honour it
         self.trees = any(m.trees for m in members.values())  # a tree when a member can give one
         self.counters = {f"drafted_by.{n}": 0 for n in members}
 
@@ -53,7 +62,7 @@ class CascadeDrafter(Drafter):
         for k, (name, member) in enumerate(self.members.items()):
             if not open_:
                 break
-            prop = member.propose([reqs[i] for i in open_])
+            prop = member.propose([_asked(member, reqs[i]) for i in open_])
             still = []
             for j, i in enumerate(open_):
                 draft, shape = prop.tokens[j], prop.tree(j)
@@ -70,3 +79,9 @@ class CascadeDrafter(Drafter):
 
     def stats(self) -> dict[str, float]:
         return dict(self.counters)
+
+
+def _asked(member: Drafter, r: DraftRequest) -> DraftRequest:
+    """The request as `member` takes it: the floor and the tree budget only where it honours them."""
+    floor, nodes = (r.min_prob if member.gates else 0.0), (r.nodes if member.trees else 0)
+    return r if (floor, nodes) == (r.min_prob, r.nodes) else replace(r, min_prob=floor, nodes=nodes)
