@@ -478,6 +478,24 @@ def test_the_drain_values_a_step_by_its_slowest_slot():
         assert j.drain_value([("d", 4), (None, 0)]) < j.n
 
 
+def test_the_drain_puts_every_slot_on_one_drafter_where_that_beats_the_steady_state_choice():
+    """solve() maximises the sum of the slots' gains at their optimistic rates: a slot may take a cheap draft
+    it knows little of ("cheap", a large ucb bonus) while the others share a costly, accurate one ("copy").
+    In the drain that slot sets the step's worth, so the drain also rates every slot on one drafter, at the
+    means, and drafts with that where it is worth more."""
+    from spin_batch.selection.joint import JointChoice
+
+    means = [{"copy": 0.9, "cheap": 0.4}, {"copy": 0.9, "cheap": 0.4}, {"copy": 0.8, "cheap": 0.4}]
+    rates = [{"copy": 0.92, "cheap": 0.8}, {"copy": 0.92, "cheap": 0.8}, {"copy": 0.82, "cheap": 0.8}]
+    joint = JointChoice(caps=[6, 6, 6], rates=rates, means=means, coeffs={"copy": (0.001, 0.0002), "cheap": (0.0, 0.0)},
+                        goes_on={"copy": None, "cheap": None}, verify_price=0.1, lam=220.0)
+    picks = joint.solve()
+    assert [d for d, _ in picks] == ["copy", "copy", "cheap"]
+    assert joint.drain_value(picks) <= joint.n  # alone, the drain would not draft at all
+    drained = joint.drain_picks(picks)
+    assert all(d == "copy" and g > 0 for d, g in drained) and joint.drain_value(drained) > joint.n
+
+
 def test_the_drain_stops_drafting_unless_every_slot_pays():
     world = World({"d": 0.85}, {"d": 0.0005}, c0=0.03, c1=0.001, seed=0)
     policy = BanditPolicy(["d"], max_gamma=4, seed=0, backoff=False)

@@ -338,3 +338,25 @@ def test_bf16_many_rows_in_chunks_keep_each_rows_result(bf16_lib):
     for lo, hi in [(0, 1), (239, 241), (250, 251), (480, 700)]:
         assert torch.equal(pw(x[lo:hi]), full[lo:hi]), (lo, hi)
     assert (full == (x.float() @ w.float().T).bfloat16()).float().mean() > 0.99
+
+
+def test_argmax_in_c_is_torchs_argmax(lib):
+    """The first maximum of each row, a NaN counting as the maximum; rows of a padded buffer (a stride wider than
+    the row); what C does not take (another dtype) goes to torch."""
+    g = torch.Generator().manual_seed(9)
+    y = torch.randn(9, 49157, generator=g)
+    y[1, 40000] = y[1, 3] = y[1].max() + 1.0  # a tie: the first index
+    y[2, 49156] = 50.0  # in the tail past the last full vector
+    y[3, 17] = float("nan")
+    y[3, 5] = float("nan")
+    y[4] = float("-inf")
+    y[5, 100] = float("inf")
+    y[6] = 0.0
+    assert torch.equal(cpu_decoder.argmax(y), y.argmax(-1))
+    assert cpu_decoder.argmax(y).tolist()[1:5] == [3, 49156, 5, 0]
+    padded = y[:, :49152]
+    assert padded.stride(0) == 49157 and torch.equal(cpu_decoder.argmax(padded), padded.argmax(-1))
+    assert torch.equal(cpu_decoder.argmax(y[:0]), y[:0].argmax(-1))
+    small = torch.randn(3, 5, generator=g)
+    assert torch.equal(cpu_decoder.argmax(small), small.argmax(-1))
+    assert torch.equal(cpu_decoder.argmax(y.double()), y.double().argmax(-1))

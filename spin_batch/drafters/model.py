@@ -12,6 +12,7 @@ import torch
 
 from ..sampling import probs_per_row, sample
 from ..models.cache import KVCache
+from ..models.cpu_decoder import argmax
 from ..models.distilled import TargetFeatures
 from ..models.llama import LlamaModel
 from ..models.segments import Segments
@@ -188,7 +189,7 @@ class ModelDrafter(Drafter):
     def _pick(self, logits: torch.Tensor, reqs: list[DraftRequest], qs: list[list[torch.Tensor]]) -> list[int]:
         """One draft token per row of logits (target ids): a greedy request's argmax; a sampling
         request's draw from its q, which is appended to its qs."""
-        rows = logits.argmax(-1)  # [M]
+        rows = argmax(logits)  # [M]
         best = (rows if self.vocab_ids is None else self.vocab_ids[rows]).tolist()
         if all(r.sp.greedy for r in reqs):
             return best

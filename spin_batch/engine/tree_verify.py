@@ -51,6 +51,7 @@ from itertools import accumulate
 
 import torch
 
+from ..models.cpu_decoder import argmax
 from ..models.segments import tree_depths
 from ..sampling import SamplingParams, inverse_cdf, probs_per_row
 from .verify import Uniforms, recovered_probs
@@ -141,7 +142,7 @@ def accept_tree_greedy(target_logits: torch.Tensor, tree: DraftTree) -> TreeVerd
     """From the root, follow the child whose token is the target's argmax (the first such sibling)
     while one exists; then the argmax at the last accepted row."""
     _check_rows(target_logits, tree)
-    return greedy_walk(tree, target_logits.argmax(-1).tolist())  # [T + 1]: the one host sync
+    return greedy_walk(tree, argmax(target_logits).tolist())  # [T + 1]: the one host sync
 
 
 def greedy_walk(tree: DraftTree, best: list[int]) -> TreeVerdict:
@@ -194,7 +195,7 @@ def accept_trees(
         raise ValueError(f"{len(trees)} trees need {sum(t.size + 1 for t in trees)} target rows, "
                          f"got {target_logits.shape[0]}")
     if all(sp.greedy for sp in sps):
-        best = target_logits.argmax(-1).tolist()  # [R]: the one host sync
+        best = argmax(target_logits).tolist()  # [R]: the one host sync
         return [greedy_walk(t, best[a : a + t.size + 1]) for t, a in zip(trees, rows)]
     p = probs_per_row(target_logits, [sp for t, sp in zip(trees, sps) for _ in range(t.size + 1)])  # [R, V]
     rands = [Uniforms.zeros() if sp.greedy else Uniforms.from_generator(g) for g, sp in zip(gens, sps)]

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from ..drafters.base import common_prefix
+from ..models.cpu_decoder import argmax
 from ..sampling import SamplingParams, inverse_cdf, probs_from_logits, probs_per_row, uniform, uniform64
 
 
@@ -64,7 +65,7 @@ def accept_greedy(
     drafts: list[list[int]],  # [S] draft tokens per segment (may be empty)
 ) -> Verdict:
     """Longest prefix of each draft that matches the target's argmax, then the target's token."""
-    best = target_logits.argmax(-1).tolist()  # [R]: the one host sync of the stage
+    best = argmax(target_logits).tolist()  # [R]: the one host sync of the stage
     rows = segment_rows(drafts)
     accepted = [common_prefix(d, best[row : row + len(d)]) for d, row in zip(drafts, rows)]
     return Verdict(accepted, [d[:k] + [best[row + k]] for d, k, row in zip(drafts, accepted, rows)])

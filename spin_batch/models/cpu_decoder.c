@@ -497,6 +497,57 @@ static void top_k(const float *r, int64_t V, int64_t k, int64_t *id) {
     }
 }
 
+/* The index of the first maximum of r [V], a NaN counting as above every number (torch.argmax's rule). */
+static int64_t argmax1(const float *r, int64_t V) {
+    float m = -__builtin_inff();
+    int nan = 0;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_set1_ps(m);
+    for (; i + 16 <= V; i += 16) {
+        __m512 v = _mm512_loadu_ps(r + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+        mv = _mm512_max_ps(mv, v);
+    }
+    m = _mm512_reduce_max_ps(mv);
+#elif defined(__AVX2__)
+    __m256 mv = _mm256_set1_ps(m);
+    for (; i + 8 <= V; i += 8) {
+        __m256 v = _mm256_loadu_ps(r + i);
+        nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0;
+        mv = _mm256_max_ps(mv, v);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv);
+    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+#endif
+    for (; i < V; i++) {
+        nan |= r[i] != r[i];
+        m = r[i] > m ? r[i] : m;
+    }
+    i = 0;
+#if defined(__AVX512F__)
+    for (__m512 mm = _mm512_set1_ps(m); !nan && i + 16 <= V; i += 16) {
+        __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(r + i), mm, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#elif defined(__AVX2__)
+    for (__m256 mm = _mm256_set1_ps(m); !nan && i + 8 <= V; i += 8) {
+        int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(r + i), mm, _CMP_EQ_OQ));
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#endif
+    for (; i < V; i++) /* the first index holding it (or the first NaN) */
+        if (nan ? r[i] != r[i] : r[i] == m) return i;
+    return 0;
+}
+
+/* out [M] = per row of y [M, ldy] the index of its first maximum among the first V (see argmax1). */
+void spin_argmax_rows(const float *y, int64_t M, int64_t V, int64_t ldy, int64_t *out) {
+#pragma omp parallel for schedule(static) if (M >= 4)
+    for (int64_t m = 0; m < M; m++) out[m] = argmax1(y + m * ldy, V);
+}
+
 /* An int8 copy's LM head (quantize.py, RescoredHead): y [M, Op] = the int4 proxy logits of x [M, K] (wp4, ws
  * packed by spin_gemm_pack_q4), then, per row, the k ids with the largest proxy logits among the first V get
  * the int8 head's logit instead: q8 [V, K] int8 row-major with scale8 [V], computed as spin_gemm_q8 computes it

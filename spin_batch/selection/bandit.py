@@ -253,8 +253,10 @@ class BanditPolicy(Policy):
         if self.draining and joint.drain_bound() <= joint.n:
             return {}
         picks = joint.solve()
-        if self.draining and joint.drain_value(picks) <= joint.n:
-            return {}
+        if self.draining:
+            picks = joint.drain_picks(picks)
+            if joint.drain_value(picks) <= joint.n:
+                return {}
         sharing = Counter(d for d, _ in picks if d is not None)
         return {i: Choice(d, g, self.pricing.floor(d, sharing[d], verify_price, lam), self._nodes(d))
                 for (i, _, _), (d, g) in zip(open_, picks) if d is not None}

@@ -139,6 +139,21 @@ static void head_q4(void) {
     check(same, "int4 head: a row alone equals the row in a batch of 13");
 }
 
+static void argmax_rows(void) {
+    enum { M = 5, V = 1003, LD = 1010 };
+    static float y[M * LD];
+    int64_t out[M];
+    for (int i = 0; i < M * LD; i++) y[i] = rnd();
+    y[0 * LD + 7] = y[0 * LD + 900] = 5.0f;             /* a tie: the first */
+    y[1 * LD + 1002] = 5.0f;                             /* the last, in the tail */
+    y[2 * LD + 999] = NAN, y[2 * LD + 30] = NAN;         /* the first NaN */
+    for (int i = 0; i < V; i++) y[3 * LD + i] = -INFINITY;
+    y[4 * LD + 1004] = 9.0f;                             /* past V: not read */
+    y[4 * LD + 500] = 2.0f;
+    spin_argmax_rows(y, M, V, LD, out);
+    check(out[0] == 7 && out[1] == 1002 && out[2] == 30 && out[3] == 0 && out[4] == 500, "argmax: first maximum, NaN first");
+}
+
 static void gemm_bf16(void) {
     enum { M = 13, O = 100, K = 300, OP = 128 }; /* K spans three of the GEMM's k-blocks */
     static uint16_t w[O * K], wp[OP * K], x[M * K], y[M * OP], y1[OP];
@@ -264,6 +279,7 @@ int main(void) {
     gemm_f32();
     gemm_q8();
     head_q4();
+    argmax_rows();
     gemm_bf16();
     norm();
     attention();
