@@ -307,38 +307,6 @@ static inline __attribute__((always_inline)) void q8_unit(const int8_t *xq, cons
         for (int j = 0; j < 32; j++) y[m * ldy + j] *= scale[32 * u + j];
 }
 
-/* y [M, Op] float32 = the int8 GEMM of x [M, K] float32 and q packed by spin_gemm_pack_q8 (see above), scale
- * [Op]; scratch of spin_gemm_q8_scratch(M, K) bytes. */
-void spin_gemm_q8(const float *x, const uint8_t *wp, const float *scale, float *y, int64_t M, int64_t Op, int64_t K,
-                  void *scratch) {
-    int64_t Kp = q8_padded(K), G = Kp / QG;
-    int8_t *xq = (int8_t *)scratch;
-    float *xs = (float *)(xq + M * Kp);
-    int32_t *xsum = (int32_t *)(xs + M * G);
-    q8_rows(x, M, K, xq, xs, xsum);
-#pragma omp parallel for schedule(static)
-    for (int64_t u = 0; u < Op / 32; u++)
-        for (int64_t m0 = 0; m0 < M; m0 += Q8_MR) {
-            int r = M - m0 < Q8_MR ? (int)(M - m0) : Q8_MR;
-            const int8_t *xr = xq + m0 * Kp;
-            const float *sr = xs + m0 * G;
-            const int32_t *cr = xsum + m0 * G;
-            float *yr = y + m0 * Op + 32 * u;
-            switch (r) { /* R fixed at compile time in each case, so the accumulators stay in registers */
-#define Q8_CASE(R) case R: q8_unit(xr, sr, cr, wp, scale, yr, Op, Kp, u, R); break;
-                Q8_CASE(1)
-#if Q8_MR >= 2
-                Q8_CASE(2)
-#endif
-#if Q8_MR >= 12
-                Q8_CASE(3) Q8_CASE(4) Q8_CASE(5) Q8_CASE(6) Q8_CASE(7) Q8_CASE(8) Q8_CASE(9) Q8_CASE(10) Q8_CASE(11)
-                Q8_CASE(12)
-#endif
-#undef Q8_CASE
-            }
-        }
-}
-
 /* Int4 weights, for the LM head of a draft's int8 copy (quantize.py, RescoredHead): a proxy whose largest
  * logits are then recomputed from the int8 head. Weights are int4 values in -8..7 with a float32 scale per
  * output row and group of QG inputs (the activation groups, so one scale product per group and output).
@@ -459,6 +427,53 @@ static inline __attribute__((always_inline)) void q4_unit(const int8_t *xq, cons
     }
 }
 
+/* An int8-input GEMM (the int8 one, or the int4 head's proxy when int4): x [M, K] rounded into scratch (xq,
+ * xs, xsum: spin_gemm_q8_scratch bytes), then every unit of 32 outputs and block of up to Q8_MR rows, with R
+ * fixed at compile time in each case so the accumulators stay in registers. scale: per output (int8) or the
+ * group scales (int4). */
+static inline __attribute__((always_inline)) void q_gemm(const float *x, const uint8_t *wp, const float *scale,
+                                                         float *y, int64_t M, int64_t Op, int64_t K, void *scratch,
+                                                         int int4) {
+    int64_t Kp = q8_padded(K), G = Kp / QG;
+    int8_t *xq = (int8_t *)scratch;
+    float *xs = (float *)(xq + M * Kp);
+    int32_t *xsum = (int32_t *)(xs + M * G);
+    q8_rows(x, M, K, xq, xs, xsum);
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < Op / 32; u++)
+        for (int64_t m0 = 0; m0 < M; m0 += Q8_MR) {
+            int r = M - m0 < Q8_MR ? (int)(M - m0) : Q8_MR;
+            const int8_t *xr = xq + m0 * Kp;
+            const float *sr = xs + m0 * G;
+            const int32_t *cr = xsum + m0 * G;
+            float *yr = y + m0 * Op + 32 * u;
+            switch (r) {
+#define Q_CASE(R)                                                    \
+    case R:                                                          \
+        if (int4)                                                    \
+            q4_unit(xr, sr, cr, wp, scale, yr, Op, Kp, u, R);        \
+        else                                                         \
+            q8_unit(xr, sr, cr, wp, scale, yr, Op, Kp, u, R);        \
+        break;
+                Q_CASE(1)
+#if Q8_MR >= 2
+                Q_CASE(2)
+#endif
+#if Q8_MR >= 12
+                Q_CASE(3) Q_CASE(4) Q_CASE(5) Q_CASE(6) Q_CASE(7) Q_CASE(8) Q_CASE(9) Q_CASE(10) Q_CASE(11) Q_CASE(12)
+#endif
+#undef Q_CASE
+            }
+        }
+}
+
+/* y [M, Op] float32 = the int8 GEMM of x [M, K] float32 and q packed by spin_gemm_pack_q8 (see above), scale
+ * [Op]; scratch of spin_gemm_q8_scratch(M, K) bytes. */
+void spin_gemm_q8(const float *x, const uint8_t *wp, const float *scale, float *y, int64_t M, int64_t Op, int64_t K,
+                  void *scratch) {
+    q_gemm(x, wp, scale, y, M, Op, K, scratch, 0);
+}
+
 /* 1 where one of the 16 floats at r is above t. */
 static inline int any_above16(const float *r, float t) {
 #if defined(__AVX512F__)
@@ -556,31 +571,9 @@ void spin_argmax_rows(const float *y, int64_t M, int64_t V, int64_t ldy, int64_t
 void spin_head_q4(const float *x, const uint8_t *wp4, const float *ws, const int8_t *q8, const float *scale8,
                   float *y, int64_t *idx, int64_t M, int64_t Op, int64_t K, int64_t V, int64_t k, void *scratch) {
     int64_t Kp = q8_padded(K), G = Kp / QG;
-    int8_t *xq = (int8_t *)scratch;
-    float *xs = (float *)(xq + M * Kp);
-    int32_t *xsum = (int32_t *)(xs + M * G);
-    q8_rows(x, M, K, xq, xs, xsum);
-#pragma omp parallel for schedule(static)
-    for (int64_t u = 0; u < Op / 32; u++)
-        for (int64_t m0 = 0; m0 < M; m0 += Q8_MR) {
-            int r = M - m0 < Q8_MR ? (int)(M - m0) : Q8_MR;
-            const int8_t *xr = xq + m0 * Kp;
-            const float *sr = xs + m0 * G;
-            const int32_t *cr = xsum + m0 * G;
-            float *yr = y + m0 * Op + 32 * u;
-            switch (r) {
-#define Q4_CASE(R) case R: q4_unit(xr, sr, cr, wp4, ws, yr, Op, Kp, u, R); break;
-                Q4_CASE(1)
-#if Q8_MR >= 2
-                Q4_CASE(2)
-#endif
-#if Q8_MR >= 12
-                Q4_CASE(3) Q4_CASE(4) Q4_CASE(5) Q4_CASE(6) Q4_CASE(7) Q4_CASE(8) Q4_CASE(9) Q4_CASE(10) Q4_CASE(11)
-                Q4_CASE(12)
-#endif
-#undef Q4_CASE
-            }
-        }
+    q_gemm(x, wp4, ws, y, M, Op, K, scratch, 1);
+    const int8_t *xq = (const int8_t *)scratch; /* x as q_gemm rounded it */
+    const float *xs = (const float *)(xq + M * Kp);
 #pragma omp parallel for schedule(static) if (M > 1)
     for (int64_t m = 0; m < M; m++) {
         top_k(y + m * Op, V, k, idx + m * k);
