@@ -454,6 +454,19 @@ def test_an_optimistic_favourite_that_does_not_pay_yields_to_the_best_at_the_mea
     assert drafter == "known" and gamma > 0
 
 
+def test_closing_a_drafter_is_judged_at_the_means():
+    """A trace at 1 slot (the demo job): the int8 copy (sure, costly) is the favourite at the optimistic rates and
+    gets gamma 5 at its mean; a distilled draft (gated, cheap) is worth less at its rate and far less at its mean.
+    Closing the copy must not win by valuing the copy at a gamma chosen for its mean against the draft at its
+    rate: the step drafts with the copy."""
+    from spin_batch.selection.joint import JointChoice
+
+    joint = JointChoice(caps=[6], rates=[{"copy": 0.999, "draft": 0.781}], means=[{"copy": 0.885, "draft": 0.5}],
+                        coeffs={"copy": (0.00612, 0.0), "draft": (0.00131, 0.0)}, goes_on={"copy": None, "draft": 0.5},
+                        verify_price=0.0567, lam=76.34)
+    assert joint.solve() == [("copy", 5)]
+
+
 def test_the_drain_values_a_step_by_its_slowest_slot():
     """Once nothing is left to admit, the job ends with its last request, so a step that drafts for the
     good slot only (the steady-state choice) shortens nothing: the drain drafts for both or for neither."""
