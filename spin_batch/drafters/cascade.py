@@ -14,9 +14,9 @@ raised to the l-th power, stays at or above the floor the policy sets. So "the l
 least 2 tokens" marks the steps where it is likely right, and the model drafts the rest.
 
 The confidence floor reaches the members that honour it (`gates`), the tree budget those that grow
-trees, and the cascade is gated when
-any member is: a lookup in front of the target's int8 copy, which drafts ungated chains (docs/trees.md),
-keeps its gate, and the copy drafts what the lookup does not cover at the length the policy asked.
+trees, and the cascade is gated when any member is: a lookup in front of the target's int8 copy, which
+drafts ungated chains (docs/trees.md), keeps its gate, and the copy drafts what the lookup does not
+cover at the length the policy asked.
 Ungated (the floor of every drafter that does not honour it is 0), the lookup took every match it had:
 fixed:ngram-int8 at 1 slot accepted 56% of its draft tokens.
 
