@@ -129,7 +129,7 @@ def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: tor
                 state = loader.load_state_dict(loader.resolve_model_dir(job.target.model))
                 model = target.int8_copy(state, d.layers)
                 del state
-            drafters[d.name] = EarlyExitDrafter(d.name, target, target_cache, d.layers, model)
+            drafters[d.name] = EarlyExitDrafter(d.name, target, target_cache, d.layers, model, d.lookahead)
         elif isinstance(d, ModelDrafterConfig):
             draft_dir = loader.resolve_model_dir(d.model)
             meta = draft_meta(draft_dir)

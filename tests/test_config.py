@@ -673,3 +673,14 @@ def test_early_exit_layers_default_to_all_only_for_an_int8_copy():
     assert single_problem(raw).startswith("drafters[0].layers: missing required key (with quantize: int8")
     raw["drafters"] = [{"name": "ee", "kind": "early_exit", "layers": 2, "quantize": "int4"}]
     assert single_problem(raw).startswith("drafters[0].quantize: ")
+
+
+def test_early_exit_lookahead_defaults_and_bounds():
+    raw = minimal()
+    raw["drafters"] = [{"name": "q8", "kind": "early_exit", "quantize": "int8"},
+                       {"name": "q8-off", "kind": "early_exit", "quantize": "int8", "lookahead": 0}]
+    q8, off = parse_job(raw).drafters
+    assert (q8.lookahead, off.lookahead) == (3, 0)
+    for bad in (-1, 9, "3", True):
+        raw["drafters"] = [{"name": "q8", "kind": "early_exit", "quantize": "int8", "lookahead": bad}]
+        assert single_problem(raw).startswith("drafters[0].lookahead: ")

@@ -200,6 +200,51 @@ def test_int8_copy_of_the_target_drafts_losslessly(target, reference, tiny_dir, 
     assert stats["draft_tokens"] > 0 and stats["acceptance_rate"] > 0.5  # a close copy: most drafts hold
 
 
+def counting_forwards(drafter) -> list[int]:
+    """Rows fed to each of the drafter's forwards, appended as they run."""
+    fed, step = [], drafter._step
+    drafter._step = lambda flat, seg, extra, rows: (fed.append(len(flat)), step(flat, seg, extra, rows))[1]
+    return fed
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+@pytest.mark.parametrize("kind", ["int8", "exit_all"])
+def test_lookahead_guesses_change_the_forwards_not_the_drafts(target, reference, tiny_dir, kind, slots):
+    """Guessed tokens fed after a chain's real one (drafters/model.py, lookahead): the same draft tokens and
+    the same output, in fewer forwards where the text repeats; ungated (the int8 copy) and gated (all layers
+    of the target, its confidence product taken row by row under a floor that cuts nothing)."""
+    factory = {"int8": int8_self_factory(tiny_dir), "exit_all": early_exit_all}[kind]
+    runs = {}
+    for lookahead in (0, 3):
+        policy = FixedDrafter(kind, 5) if kind == "int8" else GatedFixed(kind, 1e-30)
+        loop = make_loop(target, slots, policy, [factory])
+        drafter = loop.drafters[kind]
+        drafter.lookahead = lookahead
+        proposals, propose = [], drafter.propose
+        drafter.propose = lambda reqs: (p := propose(reqs), proposals.append(p.tokens))[0]
+        fed = counting_forwards(drafter)
+        assert run(loop) == reference
+        runs[lookahead] = proposals, fed
+    (plain, plain_fed), (guessed, guessed_fed) = runs[0], runs[3]
+    assert guessed == plain  # every step proposed the same tokens
+    assert sum(map(len, plain)) > 0
+    assert len(guessed_fed) < len(plain_fed)  # confirmed guesses saved forwards...
+    assert sum(guessed_fed) > sum(plain_fed)  # ...by feeding more rows
+
+
+def test_lookahead_guesses_what_followed_the_suffix():
+    d = ModelDrafter.__new__(ModelDrafter)
+    d.lookahead = 3
+    r = DraftRequest(0, [7, 1, 2, 3, 4, 9, 1, 2], 6, None)
+    assert d._guess(r, []) == [3, 4, 9]  # after "1 2"
+    assert d._guess(r, [3]) == [4, 9, 1]  # after "1 2 3", the draft extends the suffix
+    assert d._guess(r, [3, 4, 9]) == [1, 2]  # capped: the real row drafts the 4th token, the guesses 5 and 6
+    assert d._guess(r, [3, 4, 9, 1]) == [2]
+    assert d._guess(r, [3, 4, 9, 1, 2]) == []  # the real row drafts the last one
+    assert d._guess(DraftRequest(0, [5, 6, 7], 6, None), []) == []  # no earlier occurrence
+    assert d._guess(DraftRequest(0, r.tokens, 6, None, sp=SamplingParams(temperature=1.0)), []) == []
+
+
 @pytest.mark.parametrize("slots", [1, 3, 8])
 def test_model_drafter_other_model_equals_autoregressive(target, reference, tiny_draft_dir, slots):
     loop = make_loop(target, slots, FixedDrafter("other", 3), [other_model_factory(tiny_draft_dir)])

@@ -31,6 +31,8 @@ from .parsing import (
 )
 
 
+LOOKAHEAD = 3  # default guessed tokens per draft forward of an early_exit drafter (drafters/model.py)
+
 _drafter_name_text = _pattern(r"[A-Za-z0-9_.-]+", "a name matching [A-Za-z0-9_.-]+")
 
 
@@ -45,22 +47,25 @@ def _drafter_name(value: Any) -> str:
 @dataclass(frozen=True, kw_only=True)
 class EarlyExitDrafterConfig:
     """Draft with the target's first ``layers`` layers (self-speculation); with ``quantize: int8``, an int8
-    copy of them (then ``layers`` defaults to all of them)."""
+    copy of them (then ``layers`` defaults to all of them). ``lookahead``: tokens guessed from the text that
+    each draft forward checks besides its real one (drafters/model.py); 0 turns it off."""
 
     name: str
     kind: Literal["early_exit"] = "early_exit"
     layers: int | None = None
     quantize: Literal["none", "int8"] = "none"
+    lookahead: int = LOOKAHEAD
 
     @classmethod
     def _parse(cls, s: _Section, name: str) -> EarlyExitDrafterConfig:
         # The upper bound (the number of target layers) is checked once the model is known.
         layers = s.take("layers", _optional(_int(lo=1)))
         quantize = s.take("quantize", _choice("none", "int8"))
+        lookahead = s.take("lookahead", _int(lo=0, hi=8))
         if s.ok("layers", "quantize") and layers is None and quantize == "none":
             s.errs.add(s.key_path("layers"), "missing required key (with quantize: int8 it defaults to all of "
                        "the target's layers)")
-        return cls(name=name, layers=layers, quantize=quantize)
+        return cls(name=name, layers=layers, quantize=quantize, lookahead=lookahead)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,13 +25,14 @@ class EarlyExitDrafter(ModelDrafter):
     kind = "early_exit"
 
     def __init__(self, name: str, target: LlamaModel, target_cache: KVCache, layers: int | None,
-                 model: LlamaModel | None = None):
+                 model: LlamaModel | None = None, lookahead: int = 0):
         """layers None: all of them; model: the target by default, or a copy of its first layers with
-        other weights (LlamaModel.int8_copy)."""
+        other weights (LlamaModel.int8_copy); lookahead: guessed tokens per forward (model.py)."""
         problem = None if layers is None else check_layers(layers, target.spec.num_layers)
         if problem:
             raise ValueError(f"drafter {name!r}: {problem}")
         super().__init__(name, model or target, target_cache, num_layers=layers)
+        self.lookahead = lookahead
         if model is not None and model is not target:
             # A copy of the whole target agrees with it far more often than its own confidence says (it is as
             # unsure as the target, and mostly unsure the same way): the bandit's gamma decides its length,
