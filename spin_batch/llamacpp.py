@@ -105,7 +105,11 @@ class LlamaCpp:
         self._quiet = lc.llama_log_callback(lambda level, text, user: None)  # kept: llama.cpp holds the pointer
         lc.llama_log_set(self._quiet, ctypes.c_void_p(0))
         lc.llama_backend_init()
-        self.model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+        mparams = lc.llama_model_default_params()
+        # No extra weight buffers (repacked or AMX layouts, quantized types only: F32 and F16 have none). With
+        # them, llama-cpp-python 0.3.36 crashed in llama_decode on the embedded model's Q4_1 GGUF on an AMX CPU.
+        mparams.use_extra_bufts = False
+        self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise LlamaCppUnavailable(f"llama.cpp could not load {path}")
         params = lc.llama_context_default_params()
