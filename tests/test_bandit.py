@@ -624,3 +624,101 @@ def test_no_probe_where_even_a_perfect_draft_cannot_pay():
         policy.on_admit(s)
     assert all(c.gamma == 0 for c in policy.choose(slots, [4] * 16))
     assert policy.choose([0], [4])[0] == Choice("costly", 4)  # alone, with a goodput to match, it may pay
+
+
+def test_bursts_of_plain_decoding_cost_a_fixed_share_of_goodput_while_speculation_leads():
+    """At 2.2x (the int8 copy at 1 slot) a burst of plain decoding gives up over half of each of its steps;
+    they are spaced so the bursts cost about GATE_COST of the goodput, and never closer than GATE_REFRESH."""
+    from spin_batch.selection.gate import GATE_BURST, GATE_COST, GATE_REFRESH, StepGate
+
+    assert StepGate.refresh(0.0) == StepGate.refresh(-0.3) == GATE_REFRESH
+    assert StepGate.refresh(math.log(2.2)) == pytest.approx(GATE_BURST * (1 - 1 / 2.2) / GATE_COST)
+    assert StepGate.refresh(math.log(1.4)) < StepGate.refresh(math.log(2.2))
+    modes = _gate_steps(StepGate(), 2000, lambda step, mode: 220.0 if mode else 100.0)
+    plain = modes[200:].count(False) / len(modes[200:])
+    assert 0.5 * GATE_COST < plain * (1 - 1 / 2.2) < 1.5 * GATE_COST, plain
+
+
+def _beta_binomial_requests(rng: random.Random, mean: float, kappa: float, requests: int, trials: int):
+    """(successes, trials) per request whose own rate is drawn from Beta(mean * kappa, (1 - mean) * kappa)."""
+    out = []
+    for _ in range(requests):
+        p = rng.betavariate(mean * kappa, (1 - mean) * kappa)
+        n = rng.randint(trials // 2, 2 * trials)
+        out.append((sum(rng.random() < p for _ in range(n)), n))
+    return out
+
+
+@pytest.mark.parametrize("kappa", [8.0, 20.0, 60.0])
+def test_spread_measures_how_much_requests_differ(kappa):
+    """The method of moments recovers the strength of the Beta that requests' rates are drawn from (within the
+    noise of 400 requests), reads requests that differ only by sampling as PRIOR_MAX, and keeps PRIOR_STRENGTH
+    until SPREAD_REQUESTS requests are in."""
+    from spin_batch.selection.bandit import PRIOR_MAX, SPREAD_REQUESTS, Spread
+
+    rng = random.Random(int(kappa))
+    spread = Spread()
+    for x, n in _beta_binomial_requests(rng, 0.6, kappa, 400, 40):
+        spread.add(x, n)
+    assert 0.7 * kappa < spread.strength() < 1.4 * kappa, spread.strength()
+    same = Spread()
+    for _ in range(200):
+        same.add(sum(rng.random() < 0.95 for _ in range(60)), 60)
+    assert same.strength() == PRIOR_MAX
+    few = Spread()
+    for x, n in _beta_binomial_requests(rng, 0.6, kappa, SPREAD_REQUESTS - 1, 40):
+        few.add(x, n)
+    assert few.strength() == PRIOR_STRENGTH
+
+
+def test_one_rejection_does_not_turn_a_request_from_a_drafter_whose_requests_all_agree():
+    """A drafter right on 95% of tokens in every request (the int8 copy of the target) and a cheaper one at 45%:
+    at a warm start of 6 pseudo-tokens one rejected first token took the request's rate for the copy from 0.95
+    to 0.81, below what its cost needs, and the request drafted with the cheap draft for the rest of its length.
+    Once finished requests show how little the copy's rate differs between them, its warm start weighs as much
+    as that: the same rejection leaves the request on the copy."""
+    from spin_batch.selection.bandit import Spread
+
+    policy = BanditPolicy(["copy", "cheap"], max_gamma=6, seed=0, backoff=False)
+    policy.pooled = {"copy": Beta(1 + 950, 1 + 50), "cheap": Beta(1 + 450, 1 + 550)}
+    rng = random.Random(0)
+    for d, rate in (("copy", 0.95), ("cheap", 0.45)):
+        for x, n in _beta_binomial_requests(rng, rate, 1e6, 40, 30):
+            policy.spread[d].add(x, n)
+    cold = BanditPolicy(["copy", "cheap"], max_gamma=6, seed=0, backoff=False)
+    cold.pooled = dict(policy.pooled)
+    means = {}
+    for name, p in (("measured", policy), ("unmeasured", cold)):
+        p.on_admit(0)
+        p.learn([Outcome(0, Choice("copy", 6), 6, 0)], StepCosts({"verify": 0.02}, 7, {"copy": 0.03}, {"copy": 6}))
+        means[name] = p.requests[0].arms["copy"].mean
+    assert means["unmeasured"] < 0.83 < 0.93 < means["measured"], means
+    assert isinstance(cold.spread["copy"], Spread) and cold.spread["copy"].strength() == PRIOR_STRENGTH
+
+
+def test_finished_requests_feed_the_spread_with_their_own_observations_only():
+    """A request's arm holds its warm start plus what it saw; the spread must get only what it saw, when the slot
+    takes its next request."""
+    policy = BanditPolicy(["d"], max_gamma=4, seed=0, backoff=False)
+    policy.on_admit(0)
+    policy.learn([Outcome(0, Choice("d", 4), 4, 2)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
+    policy.learn([Outcome(0, Choice("d", 4), 4, 4)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
+    assert policy.spread["d"].requests == 0
+    policy.on_admit(0)
+    spread = policy.spread["d"]
+    assert spread.requests == 1 and spread.x == 6 and spread.n == 7  # 2 + 4 accepted, one rejection
+
+
+def test_closing_trials_choose_the_other_drafters_at_the_means():
+    """A trace at 1 slot (the demo job): a cheap distilled draft is the optimistic favourite (mean 0.47, rate
+    0.78) over the int8 copy (mean 0.97). Closing it put the slot on the next optimistic favourite, another
+    distilled draft worth even less at its mean, so the cheap draft stayed, in a third of the steps. Closing
+    re-chooses at the means: the slot drafts with the copy, worth far more there."""
+    from spin_batch.selection.joint import JointChoice
+
+    joint = JointChoice(caps=[6], rates=[{"copy": 0.999, "d128": 0.775, "d384": 0.8}],
+                        means=[{"copy": 0.973, "d128": 0.5, "d384": 0.47}],
+                        coeffs={"copy": (0.00439, 0.0), "d128": (0.00026, 0.0), "d384": (0.00085, 0.0)},
+                        goes_on={"copy": None, "d128": 0.5, "d384": 0.5}, verify_price=0.07, lam=118.0)
+    assert joint._respond(0, [(None, 0)], set(joint.coeffs))[0] == "d384"  # the optimistic favourite
+    assert joint.solve() == [("copy", 6)]

@@ -82,7 +82,10 @@ class JointChoice:
        exactly the forwards it adds (none where another slot of its drafter drafts as deep).
     3. Closing: best responses cannot empty a drafter that two slots share, even where moving them
        all would pay; each drafter in use is closed in turn (its slots choose again among the
-       others) and stays closed where that raises V at the posterior means (see _total).
+       others, at the posterior means) and stays closed where that raises V at the means (see
+       _total). Choosing again at the optimistic rates moved a slot from one little-known cheap
+       draft to the next, worth still less at its mean, so the first stayed where the int8 copy
+       was worth far more.
     """
 
     def __init__(self, caps: list[int], rates: list[dict[str, float]], means: list[dict[str, float]],
@@ -106,7 +109,7 @@ class JointChoice:
                 continue  # free forwards (an n-gram matcher): nothing to save by closing it
             allowed = everyone - {d}
             trial = [(None, 0) if p[0] == d else p for p in picks]
-            trial = self._settle(trial, allowed)
+            trial = self._settle(trial, allowed, exploit=True)
             trial_value = self._total(trial)
             if trial_value > value:
                 picks, value, everyone = trial, trial_value, allowed
@@ -144,12 +147,13 @@ class JointChoice:
         prices += sum(self.lam * self.coeffs[d][0] * depth for d, depth in self._depths(picks).items())
         return self.n * min(gains) - prices
 
-    def _settle(self, picks: list[tuple[str | None, int]], allowed: set[str]) -> list[tuple[str | None, int]]:
+    def _settle(self, picks: list[tuple[str | None, int]], allowed: set[str],
+                exploit: bool = False) -> list[tuple[str | None, int]]:
         picks = list(picks)
         for _ in range(JOINT_PASSES):
             changed = False
             for k in range(self.n):
-                pick = self._respond(k, picks, allowed)
+                pick = self._respond(k, picks, allowed, exploit=exploit)
                 changed |= pick != picks[k]
                 picks[k] = pick
             if not changed:
@@ -157,8 +161,9 @@ class JointChoice:
         return picks
 
     def _respond(self, k: int, picks: list[tuple[str | None, int]], allowed: set[str],
-                 shared: bool = False) -> tuple[str | None, int]:
-        """Slot k's best (drafter, gamma) given the others' picks; shared: forwards split n ways instead."""
+                 shared: bool = False, exploit: bool = False) -> tuple[str | None, int]:
+        """Slot k's best (drafter, gamma) given the others' picks; shared: forwards split n ways instead;
+        exploit: the drafter too is chosen at the posterior means (the closing trials, see solve)."""
         depth = {} if shared else self._depths(picks, skip=k)
 
         def best_at(rates: dict[str, float]) -> tuple[str | None, int]:
@@ -171,7 +176,7 @@ class JointChoice:
                         top, best, best_g = value, d, g
             return best, best_g
 
-        favourite, _ = best_at(self.rates[k])
+        favourite, _ = best_at(self.means[k] if exploit else self.rates[k])
         if favourite is None:
             return None, 0
         _, g = self._best(k, favourite, self.means[k][favourite], depth.get(favourite, 0.0), shared)
