@@ -45,6 +45,9 @@ costly one that is nearly always right (the int8 copy of the target: its value a
 above its value at 0.95), so per-request exploration kept taking cheap drafts in its place: paired
 in one bench, 1.76x against 1.68x autoregressive at 1 slot and 1.34x against 1.27x at 4
 (BENCHMARKS.md, the int8 copy).
+The joint choice's closing step then keeps an optimistic pick only where it is also worth most at
+the posterior means (joint.JointChoice), so most exploration is the probing above and each request's
+prior following the pool until it drafts.
 
 Drain: once the request stream is done (Policy.on_drain), a token no longer frees a slot for the
 next request, and the job ends when its last request does. Any running request may be that one,
