@@ -95,12 +95,9 @@ class Beta:
     def n(self) -> float:
         return self.alpha + self.beta
 
-    def observe(self, drafted: int, accepted: int) -> float:
-        """accepted successes, and a failure where the chain stopped short; returns the observations added."""
-        failed = 1.0 if accepted < drafted else 0.0
+    def observe(self, drafted: int, accepted: int) -> None:
         self.alpha += accepted
-        self.beta += failed
-        return accepted + failed
+        self.beta += 1.0 if accepted < drafted else 0.0
 
 
 class Spread:
@@ -124,6 +121,9 @@ class Spread:
     def __init__(self) -> None:
         self.requests = 0
         self.n = self.x = self.n2 = self.x2n = 0.0  # sums of n_r, x_r, n_r^2, x_r^2 / n_r
+        # kappa in pseudo-tokens, within [PRIOR_STRENGTH, PRIOR_MAX]; PRIOR_STRENGTH until measured. Read at
+        # every warm start (each slot, each step), so kept here and renewed only when a request is added.
+        self.strength = PRIOR_STRENGTH
 
     def add(self, successes: float, trials: float) -> None:
         """One finished request's own observations of the drafter."""
@@ -134,9 +134,9 @@ class Spread:
         self.x += successes
         self.n2 += trials * trials
         self.x2n += successes * successes / trials
+        self.strength = self._measure()
 
-    def strength(self) -> float:
-        """kappa in pseudo-tokens, within [PRIOR_STRENGTH, PRIOR_MAX]; PRIOR_STRENGTH until measured."""
+    def _measure(self) -> float:
         if self.requests < SPREAD_REQUESTS:
             return PRIOR_STRENGTH
         p = self.x / self.n
@@ -159,7 +159,7 @@ class RequestArms:
     steps: int = 0
     # per drafter not drafted with yet, the pooled prior that is its arm: re-warmed each step
     warm: dict[str, Beta] = field(default_factory=dict)
-    own: dict[str, list[float]] = field(default_factory=dict)  # per drafter, its own [successes, trials]
+    own: dict[str, Beta] = field(default_factory=dict)  # per drafter drafted with, its own observations alone
 
     def rewarm(self, drafter: str, prior: Beta) -> None:
         """The arm of a drafter this request has not drafted with yet becomes `prior`."""
@@ -219,8 +219,8 @@ class BanditPolicy(Policy):
         _warm). The request that held the slot is done: its own observations measure that spread."""
         done = self.requests.get(slot)
         if done is not None:
-            for d, (x, n) in done.own.items():
-                self.spread[d].add(x, n)
+            for d, b in done.own.items():
+                self.spread[d].add(b.alpha, b.n)
         warm = {d: self._warm(d) for d in self.pooled}
         self.requests[slot] = RequestArms(dict(warm), warm=warm)
 
@@ -228,7 +228,7 @@ class BanditPolicy(Policy):
         """The pooled posterior of drafter, shrunk to the pseudo-tokens its spread between requests is worth."""
         b = self.pooled[drafter]
         mean = b.mean if b.n > 2.0 else DEFAULT_RATE
-        strength = self.spread[drafter].strength()
+        strength = self.spread[drafter].strength
         return Beta(mean * strength, (1 - mean) * strength)
 
     # -- select -----------------------------------------------------------------------------
@@ -362,9 +362,7 @@ class BanditPolicy(Policy):
             req = self.requests.get(o.slot)
             if req is not None:
                 req.warm.pop(o.choice.drafter, None)  # its own evidence now: the prior stops following the pool
-                trials = req.arms[o.choice.drafter].observe(o.choice.gamma, o.accepted)
-                own = req.own.setdefault(o.choice.drafter, [0.0, 0.0])
-                own[0] += o.accepted
-                own[1] += trials
+                req.arms[o.choice.drafter].observe(o.choice.gamma, o.accepted)
+                req.own.setdefault(o.choice.drafter, Beta(0.0, 0.0)).observe(o.choice.gamma, o.accepted)
             self.pooled[o.choice.drafter].observe(o.choice.gamma, o.accepted)
         self.pulls.update({o.choice.drafter for o in outcomes if o.choice.drafter is not None and o.choice.gamma > 0})
