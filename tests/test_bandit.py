@@ -555,6 +555,20 @@ def test_a_requests_prior_follows_the_pool_until_it_drafts_with_the_drafter():
     assert arm.beta == pytest.approx(6 / 102 * PRIOR_STRENGTH + 1)
 
 
+def test_tokens_accepted_past_gamma_count_as_the_whole_chain_asked_for():
+    """A chain that ran past gamma on confirmed guesses (DraftRequest.room) and was accepted past it rates the
+    drafter as a chain of gamma accepted in full: the rate is of what was asked, and the bonus tokens go to
+    goodput alone."""
+    policy = BanditPolicy(["d"], max_gamma=4, seed=0, backoff=False)
+    policy.on_admit(0)
+    policy.choose([0], [4])
+    before = policy.pooled["d"].alpha, policy.pooled["d"].beta
+    policy.learn([Outcome(0, Choice("d", 4), 7, 6)], StepCosts({"verify": 0.01}, 8, {"d": 0.001}, {"d": 4}))
+    assert (policy.pooled["d"].alpha, policy.pooled["d"].beta) == (before[0] + 4, before[1])
+    assert policy.requests[0].own["d"].alpha == 4 and policy.requests[0].own["d"].beta == 0
+    assert policy.cost.goodput.value == pytest.approx(7 / 0.01)  # 6 accepted and the bonus, in the step's time
+
+
 def test_a_measured_drafter_is_probed_at_the_cap_for_a_few_steps():
     """After its short first trial, a drafter is drafted by one slot a step at that slot's cap until PROBE_PULLS
     steps have drafted with it: the joint choice prices gamma at the posterior mean, so a costly drafter whose

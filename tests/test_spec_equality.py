@@ -8,6 +8,7 @@ reference is our own loop with no drafts, itself checked against transformers' g
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -210,9 +211,10 @@ def counting_forwards(drafter) -> list[int]:
 @pytest.mark.parametrize("slots", [1, 3])
 @pytest.mark.parametrize("kind", ["int8", "exit_all"])
 def test_lookahead_guesses_change_the_forwards_not_the_drafts(target, reference, tiny_dir, kind, slots):
-    """Guessed tokens fed after a chain's real one (drafters/model.py, lookahead): the same draft tokens and
-    the same output, in fewer forwards where the text repeats; ungated (the int8 copy) and gated (all layers
-    of the target, its confidence product taken row by row under a floor that cuts nothing)."""
+    """Guessed tokens fed after a chain's real one (drafters/model.py, lookahead): every proposal is the draft's
+    own chain, now run past gamma where the last forward's guesses confirm it, and the same output, in fewer
+    forwards per draft token where the text repeats; ungated (the int8 copy) and gated (all layers of the
+    target, its confidence product taken row by row under a floor that cuts nothing)."""
     factory = {"int8": int8_self_factory(tiny_dir), "exit_all": early_exit_all}[kind]
     runs = {}
     for lookahead in (0, 3):
@@ -220,16 +222,35 @@ def test_lookahead_guesses_change_the_forwards_not_the_drafts(target, reference,
         loop = make_loop(target, slots, policy, [factory])
         drafter = loop.drafters[kind]
         drafter.lookahead = lookahead
-        proposals, propose = [], drafter.propose
-        drafter.propose = lambda reqs: (p := propose(reqs), proposals.append(p.tokens))[0]
-        fed = counting_forwards(drafter)
+        proposals, past, fed, propose, counting = [], [], [], drafter.propose, [True]
+        step = drafter._step
+        drafter._step = lambda flat, seg, extra, rows: (counting[0] and fed.append(len(flat)),
+                                                        step(flat, seg, extra, rows))[1]
+
+        def checked(reqs, propose=propose, drafter=drafter, proposals=proposals, past=past, lookahead=lookahead):
+            got = propose(reqs)
+            proposals.extend(got.tokens)
+            for r, p in zip(reqs, got.tokens):
+                assert len(p) <= r.gamma + min(lookahead, r.room)  # past gamma by at most lookahead, within room
+            if lookahead and any(len(p) > r.gamma for r, p in zip(reqs, got.tokens)):
+                # the draft's own chain to the same length, drafted without guesses: the same tokens
+                counting[0], drafter.lookahead = False, 0
+                own = propose([replace(r, gamma=max(len(p), 1), room=0) for r, p in zip(reqs, got.tokens)])
+                counting[0], drafter.lookahead = True, lookahead
+                assert [o[: len(p)] for o, p in zip(own.tokens, got.tokens)] == got.tokens
+                past.append(len(own.tokens))
+            return got
+
+        drafter.propose = checked
         assert run(loop) == reference
-        runs[lookahead] = proposals, fed
-    (plain, plain_fed), (guessed, guessed_fed) = runs[0], runs[3]
-    assert guessed == plain  # every step proposed the same tokens
-    assert sum(map(len, plain)) > 0
-    assert len(guessed_fed) < len(plain_fed)  # confirmed guesses saved forwards...
-    assert sum(guessed_fed) > sum(plain_fed)  # ...by feeding more rows
+        runs[lookahead] = proposals, past, fed
+    (plain, plain_past, plain_fed), (guessed, guessed_past, guessed_fed) = runs[0], runs[3]
+    assert guessed_past and not plain_past  # some chains ran past gamma, and only with guesses
+    plain_tokens, guessed_tokens = sum(map(len, plain)), sum(map(len, guessed))
+    assert plain_tokens > 0
+    if slots == 1:  # (at 3 slots a forward takes guesses only where one chain is left: too few to compare)
+        assert len(guessed_fed) / guessed_tokens < len(plain_fed) / plain_tokens  # confirmed guesses saved forwards
+        assert sum(guessed_fed) > sum(plain_fed)  # ...by feeding more rows
 
 
 def test_lookahead_guesses_what_followed_the_suffix():
@@ -241,6 +262,10 @@ def test_lookahead_guesses_what_followed_the_suffix():
     assert d._guess(r, [3, 4, 9]) == [1, 2]  # capped: the real row drafts the 4th token, the guesses 5 and 6
     assert d._guess(r, [3, 4, 9, 1]) == [2]
     assert d._guess(r, [3, 4, 9, 1, 2]) == []  # the real row drafts the last one
+    roomy = replace(r, room=2)  # room past gamma: guesses may run 2 tokens further (DraftRequest.room)
+    assert d._guess(roomy, [3, 4, 9]) == [1, 2, 3]
+    assert d._guess(roomy, [3, 4, 9, 1, 2]) == [3, 4]
+    assert d._guess(roomy, [3, 4, 9, 1, 2, 3, 4]) == []
     assert d._guess(DraftRequest(0, [5, 6, 7], 6, None), []) == []  # no earlier occurrence
     assert d._guess(DraftRequest(0, r.tokens, 6, None, sp=SamplingParams(temperature=1.0)), []) == []
 

@@ -35,6 +35,10 @@ class DraftRequest:
     # deeper than gamma, instead of a chain (0 or 1: a chain). Each node must clear min_prob as a
     # chain's position does (its path's confidence product), so the floor prices every node.
     nodes: int = 0
+    # Draft room past gamma (the context and max_tokens allow this many more). A drafter whose chain
+    # forward checks guesses (lookahead, model.py) keeps the picks that its last forward's guesses
+    # confirm past gamma, within this room: tokens that cost no draft forward of their own.
+    room: int = 0
 
 
 @dataclass

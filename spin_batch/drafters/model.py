@@ -124,9 +124,8 @@ class ModelDrafter(Drafter):
                             break
                     drafts[i].append(picks[row])
                     if len(drafts[i]) >= r.gamma:
-                        going = False
-                        break
-                    if n == len(g) or picks[row] != g[n]:
+                        going = False  # no forward past gamma, but this one's confirmed guesses run on
+                    if len(drafts[i]) >= r.gamma + self._past(r) or n == len(g) or picks[row] != g[n]:
                         break
                     confirmed += 1
                 j += 1 + len(g)
@@ -140,10 +139,14 @@ class ModelDrafter(Drafter):
             live, first = still, False
         return Proposal(drafts, [torch.stack(q) if q else None for q in qs])
 
+    def _past(self, r: DraftRequest) -> int:
+        """Draft tokens a chain may run past gamma: up to `lookahead`, within the request's room."""
+        return min(self.lookahead, r.room)
+
     def _guess(self, r: DraftRequest, draft: list[int]) -> list[int]:
         """Tokens guessed to follow the draft so far: what followed the latest earlier occurrence of its last
-        3, 2 or 1 tokens (greedy requests only; none past gamma)."""
-        k = min(self.lookahead, r.gamma - len(draft) - 1)
+        3, 2 or 1 tokens (greedy requests only; up to _past tokens past gamma)."""
+        k = min(self.lookahead, r.gamma + self._past(r) - len(draft) - 1)
         if k <= 0 or not r.sp.greedy:
             return []
         return next(lookup_matches(r.tokens + draft, k, 1, 3, limit=1), (0, []))[1]

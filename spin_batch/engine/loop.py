@@ -270,8 +270,8 @@ class BatchLoop:
                 by_drafter.setdefault(c.drafter, []).append(i)
         for name, idxs in by_drafter.items():
             reqs = [DraftRequest(decode[i].index, decode[i].tokens, choices[i].gamma, decode[i].gen, choices[i].min_prob,
-                                 decode[i].sp, self._tree_budget(decode[i], choices[i], self.drafters[name]))
-                    for i in idxs]
+                                 decode[i].sp, self._tree_budget(decode[i], choices[i], self.drafters[name]),
+                                 room=self._gamma_cap(decode[i]) - choices[i].gamma) for i in idxs]
             t0 = time.perf_counter()
             prop = self.drafters[name].propose(reqs)
             seconds[name] = time.perf_counter() - t0
@@ -281,7 +281,7 @@ class BatchLoop:
                     # a tree keeps its first `nodes` nodes (parents precede children, so they are a tree)
                     tokens[i], parents[i] = d[: r.nodes], tree[: r.nodes]
                 else:
-                    tokens[i] = d[: choices[i].gamma]
+                    tokens[i] = d[: r.gamma + r.room]  # a chain may run past gamma (DraftRequest.room)
                 probs[i] = None if q is None else q[: len(tokens[i])]
         return Proposal(tokens, probs, parents), seconds
 

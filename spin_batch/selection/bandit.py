@@ -359,10 +359,12 @@ class BanditPolicy(Policy):
             # n-gram drafter with no match proposes none) stops the chain there, like a rejection.
             # Counting only proposed tokens would rate a drafter that rarely proposes as if it
             # always did.
+            # Tokens past gamma (DraftRequest.room) are not counted: the rate is of what was asked.
+            accepted = min(o.accepted, o.choice.gamma)
             req = self.requests.get(o.slot)
             if req is not None:
                 req.warm.pop(o.choice.drafter, None)  # its own evidence now: the prior stops following the pool
-                req.arms[o.choice.drafter].observe(o.choice.gamma, o.accepted)
-                req.own.setdefault(o.choice.drafter, Beta(0.0, 0.0)).observe(o.choice.gamma, o.accepted)
-            self.pooled[o.choice.drafter].observe(o.choice.gamma, o.accepted)
+                req.arms[o.choice.drafter].observe(o.choice.gamma, accepted)
+                req.own.setdefault(o.choice.drafter, Beta(0.0, 0.0)).observe(o.choice.gamma, accepted)
+            self.pooled[o.choice.drafter].observe(o.choice.gamma, accepted)
         self.pulls.update({o.choice.drafter for o in outcomes if o.choice.drafter is not None and o.choice.gamma > 0})

@@ -219,6 +219,6 @@ class Pricing:
         for o in outcomes:
             d = o.choice.drafter
             if d is not None and o.choice.gamma > 0 and o.choice.min_prob > 0 and d in self._chains:
-                self._chains[d][0] += o.drafted
+                self._chains[d][0] += min(o.drafted, o.choice.gamma)  # not the tokens past gamma (DraftRequest.room)
                 self._chains[d][1] += 1.0 if o.drafted < o.choice.gamma else 0.0
         return gained, decode_s

@@ -24,7 +24,7 @@ class Outcome:
 
     slot: int
     choice: Choice
-    drafted: int  # tokens the drafter actually proposed (<= gamma)
+    drafted: int  # tokens the drafter actually proposed (past gamma only on confirmed guesses: DraftRequest.room)
     accepted: int
 
 
