@@ -8,10 +8,10 @@ import random
 import pytest
 
 from spin_batch.bench_policies import assigned_policy
-from spin_batch.selection.bandit import PRIOR_STRENGTH, BanditPolicy, Beta, RequestArms
+from spin_batch.selection.bandit import PRIOR_STRENGTH, BanditPolicy, Beta, PastGamma, RequestArms
 from spin_batch.selection.costs import CostModel, RatioEma
 from spin_batch.selection.factory import make_policy
-from spin_batch.selection.joint import expected_gain
+from spin_batch.selection.joint import JointChoice, expected_gain
 from spin_batch.selection.policy import Choice, Outcome, StepCosts
 
 
@@ -567,6 +567,25 @@ def test_tokens_accepted_past_gamma_count_as_the_whole_chain_asked_for():
     assert (policy.pooled["d"].alpha, policy.pooled["d"].beta) == (before[0] + 4, before[1])
     assert policy.requests[0].own["d"].alpha == 4 and policy.requests[0].own["d"].beta == 0
     assert policy.cost.goodput.value == pytest.approx(7 / 0.01)  # 6 accepted and the bonus, in the step's time
+
+
+def test_tokens_past_gamma_are_valued_as_measured():
+    """A drafter whose chains run past gamma on confirmed guesses is worth those tokens too: the joint choice
+    adds a^g times the tokens accepted past gamma in a whole chain, less the rows proposed past it. Near a tie
+    (the int8 copy at 0.93 against a cheap draft at 0.62, 1 slot) they decide it."""
+    past = PastGamma()
+    for gamma, drafted, accepted in [(6, 9, 8), (6, 8, 6), (6, 6, 2), (6, 7, 7)]:
+        past.observe(gamma, drafted, accepted)
+    assert past.value == (pytest.approx(3 / 3), pytest.approx(6 / 4))  # 2 + 0 + 1 past gamma in 3 whole chains
+
+    def choose(past):
+        return JointChoice(caps=[6], rates=[{"copy": 0.93, "small": 0.62}], means=[{"copy": 0.93, "small": 0.62}],
+                           coeffs={"copy": (0.0047, 0.0), "small": (0.0003, 0.0)}, goes_on={"copy": None, "small": None},
+                           verify_price=0.06, lam=120.0, past=past).solve()[0][0]
+
+    assert choose(None) == "small"
+    assert choose({"copy": (0.55, 0.6)}) == "copy"
+    assert choose({"copy": (0.55, 6.0)}) == "small"  # rows past gamma that cost more than they bring
 
 
 def test_a_measured_drafter_is_probed_at_the_cap_for_a_few_steps():

@@ -100,6 +100,30 @@ class Beta:
         self.beta += 1.0 if accepted < drafted else 0.0
 
 
+@dataclass
+class PastGamma:
+    """What a drafter's chains bring past gamma (DraftRequest.room: picks that the guesses of the chain's last
+    forward confirmed), for the joint choice to value: tokens accepted past gamma in the steps whose gamma
+    tokens were all accepted, and tokens proposed past gamma per step (verified rows)."""
+
+    steps: int = 0
+    rows: int = 0  # tokens proposed past gamma
+    whole: int = 0  # steps whose gamma tokens were all accepted
+    beyond: int = 0  # tokens accepted past gamma in those
+
+    def observe(self, gamma: int, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.rows += max(drafted - gamma, 0)
+        if accepted >= gamma:
+            self.whole += 1
+            self.beyond += accepted - gamma
+
+    @property
+    def value(self) -> tuple[float, float]:
+        """(accepted past gamma per whole chain, proposed past gamma per step): joint.chain_value's `past`."""
+        return self.beyond / max(self.whole, 1), self.rows / max(self.steps, 1)
+
+
 class Spread:
     """How much a drafter's acceptance rate differs between requests, as the strength of a warm start.
 
@@ -194,6 +218,7 @@ class BanditPolicy(Policy):
         self.rng = random.Random(self.seed)
         self.pooled = {d: Beta(1.0, 1.0) for d in self.drafters}
         self.spread = {d: Spread() for d in self.drafters}
+        self.past = {d: PastGamma() for d in self.drafters}
         self.pulls = Counter()  # per drafter, steps that drafted with it (any slot)
         self.pricing = Pricing([d for d in self.drafters if d in self.gated], self.cost)
         self.gate = StepGate() if self.backoff else None
@@ -317,7 +342,8 @@ class BanditPolicy(Policy):
                    for _, req, _ in open_],
             means=[{d: arm.mean for d, arm in req.arms.items()} for _, req, _ in open_],
             coeffs={d: self.cost.draft_coeffs(d) for d in self.drafters},
-            goes_on={d: self.pricing.goes_on(d) for d in self.drafters}, verify_price=verify_price, lam=lam)
+            goes_on={d: self.pricing.goes_on(d) for d in self.drafters}, verify_price=verify_price, lam=lam,
+            past={d: p.value for d, p in self.past.items() if p.rows})
         if self.draining and joint.drain_bound() <= joint.n:
             return {}
         picks = joint.solve()
@@ -359,8 +385,10 @@ class BanditPolicy(Policy):
             # n-gram drafter with no match proposes none) stops the chain there, like a rejection.
             # Counting only proposed tokens would rate a drafter that rarely proposes as if it
             # always did.
-            # Tokens past gamma (DraftRequest.room) are not counted: the rate is of what was asked.
+            # Tokens past gamma (DraftRequest.room) are not counted: the rate is of what was asked; they are
+            # valued on their own (PastGamma).
             accepted = min(o.accepted, o.choice.gamma)
+            self.past[o.choice.drafter].observe(o.choice.gamma, o.drafted, o.accepted)
             req = self.requests.get(o.slot)
             if req is not None:
                 req.warm.pop(o.choice.drafter, None)  # its own evidence now: the prior stops following the pool

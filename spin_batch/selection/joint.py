@@ -44,24 +44,33 @@ def chain_spend(gamma: int, goes_on: float | None) -> tuple[float, float]:
     return expected_gain(gamma, goes_on) - 1.0, expected_gain(gamma, goes_on) - goes_on ** gamma
 
 
-def chain_value(g: int, a: float, verify_price: float, position_price: float, spend: tuple[float, float]) -> float:
-    """E(g, a) minus the price of the tokens verified and the draft positions run (spend: chain_spend(g, ...))."""
+NO_PAST = (0.0, 0.0)
+
+
+def chain_value(g: int, a: float, verify_price: float, position_price: float, spend: tuple[float, float],
+                past: tuple[float, float] = NO_PAST) -> float:
+    """E(g, a) minus the price of the tokens verified and the draft positions run (spend: chain_spend(g, ...)).
+
+    past: the drafter's tokens past gamma (DraftRequest.room), as measured: (accepted past gamma in a step
+    whose gamma tokens were all accepted, proposed past gamma per step). They gain a^g times the first and
+    cost the verified rows of the second."""
     proposed, ran = spend
-    return expected_gain(g, a) - verify_price * proposed - position_price * ran
+    beyond, rows = past
+    return (expected_gain(g, a) + a ** g * beyond - verify_price * (proposed + rows) - position_price * ran)
 
 
 def best_gamma(a: float, verify_price: float, position_price: float, spend: list[tuple[float, float]],
-               forward_price: float = 0.0, depth: float = 0.0) -> tuple[float, int]:
+               forward_price: float = 0.0, depth: float = 0.0, past: tuple[float, float] = NO_PAST) -> tuple[float, int]:
     """max over g in 0..len(spend) - 1 of E(g, a) minus the price of what the chain spends, and its g.
 
     spend[g] is chain_spend(g, ...): the tokens verified and the draft positions run, each position
     priced at position_price, plus forward_price for each forward the chain adds beyond `depth` (the
     positions other slots of its drafter run anyway). Gamma 0 is worth 1. A chain the gate stops at
-    once proposes nothing but still costs a draft forward.
+    once proposes nothing but still costs a draft forward. past: chain_value's.
     """
     best_value, best_g = 1.0, 0
     for g in range(1, len(spend)):
-        value = (chain_value(g, a, verify_price, position_price, spend[g])
+        value = (chain_value(g, a, verify_price, position_price, spend[g], past)
                  - forward_price * max(spend[g][1] - depth, 0.0))
         if value > best_value + (DRAFT_MARGIN if best_g == 0 else 0.0):
             best_value, best_g = value, g
@@ -90,9 +99,11 @@ class JointChoice:
 
     def __init__(self, caps: list[int], rates: list[dict[str, float]], means: list[dict[str, float]],
                  coeffs: dict[str, tuple[float, float]], goes_on: dict[str, float | None], verify_price: float,
-                 lam: float):
+                 lam: float, past: dict[str, tuple[float, float]] | None = None):
+        """past: per drafter whose chains run past gamma, its measured tokens past gamma (chain_value)."""
         self.caps, self.rates, self.means, self.lam, self.verify_price = caps, rates, means, lam, verify_price
         self.coeffs = coeffs
+        self.past = past or {}
         self.spend = {d: [chain_spend(g, c) for g in range(max(caps) + 1)] for d, c in goes_on.items()}
         self.n = len(caps)
         self._memo: dict[tuple, tuple[float, int]] = {}  # _best by its arguments: passes repeat most of them
@@ -119,7 +130,8 @@ class JointChoice:
         """An upper bound on drain_value over the choices that draft for every slot (any other is worth at
         most n): each slot gains its best, for at least one priced token of the cheapest drafter. At or under
         n, solve() is not worth running in the drain."""
-        best = min(max(expected_gain(cap, a) for a in means.values()) for cap, means in zip(self.caps, self.means))
+        best = min(max(expected_gain(cap, a) + self.past.get(d, NO_PAST)[0] for d, a in means.items())
+                   for cap, means in zip(self.caps, self.means))
         least = min(self.verify_price * spend[1][0] for spend in self.spend.values())
         return self.n * (best - least)
 
@@ -140,9 +152,8 @@ class JointChoice:
 
         Compare with n (every slot decoding plainly, worth one token each).
         """
-        gains = [1.0 if d is None else expected_gain(g, self.means[k][d]) for k, (d, g) in enumerate(picks)]
-        prices = sum(gain - (1.0 if d is None else chain_value(g, self.means[k][d], self.verify_price,
-                                                                self.lam * self.coeffs[d][1], self.spend[d][g]))
+        gains = [1.0 if d is None else self._gain(k, d, g) for k, (d, g) in enumerate(picks)]
+        prices = sum(gain - (1.0 if d is None else self._value(k, d, g))
                      for k, ((d, g), gain) in enumerate(zip(picks, gains)))
         prices += sum(self.lam * self.coeffs[d][0] * depth for d, depth in self._depths(picks).items())
         return self.n * min(gains) - prices
@@ -192,9 +203,21 @@ class JointChoice:
         if key not in self._memo:
             f, s = self.coeffs[d]
             spend = self.spend[d][: self.caps[k] + 1]
-            self._memo[key] = (best_gamma(a, self.verify_price, self.lam * (s + f / self.n), spend) if shared else
-                               best_gamma(a, self.verify_price, self.lam * s, spend, self.lam * f, depth))
+            past = self.past.get(d, NO_PAST)
+            self._memo[key] = (best_gamma(a, self.verify_price, self.lam * (s + f / self.n), spend, past=past)
+                               if shared else
+                               best_gamma(a, self.verify_price, self.lam * s, spend, self.lam * f, depth, past))
         return self._memo[key]
+
+    def _gain(self, k: int, d: str, g: int) -> float:
+        """Slot k's expected tokens from (d, g) at the posterior mean, those past gamma included."""
+        a = self.means[k][d]
+        return expected_gain(g, a) + a ** g * self.past.get(d, NO_PAST)[0]
+
+    def _value(self, k: int, d: str, g: int) -> float:
+        """chain_value of slot k's pick (d, g) at the posterior mean, its forwards aside."""
+        return chain_value(g, self.means[k][d], self.verify_price, self.lam * self.coeffs[d][1], self.spend[d][g],
+                           self.past.get(d, NO_PAST))
 
     def _depths(self, picks: list[tuple[str | None, int]], skip: int = -1) -> dict[str, float]:
         """Per drafter, the draft positions its deepest slot runs (so its forwards), slot `skip` aside."""
@@ -209,7 +232,5 @@ class JointChoice:
         each gamma chosen at the mean, closing compared a sure drafter at a gamma below its best for its rate
         against an optimistic one at its best: at 1 slot the int8 copy, mean 0.885 and gamma 5, lost to a
         distilled draft at 0.78 optimistic and 0.5 expected, in a third of the steps.)"""
-        value = sum(1.0 if d is None else
-                    chain_value(g, self.means[k][d], self.verify_price, self.lam * self.coeffs[d][1], self.spend[d][g])
-                    for k, (d, g) in enumerate(picks))
+        value = sum(1.0 if d is None else self._value(k, d, g) for k, (d, g) in enumerate(picks))
         return value - sum(self.lam * self.coeffs[d][0] * depth for d, depth in self._depths(picks).items())
