@@ -8,8 +8,9 @@ import random
 import pytest
 
 from spin_batch.bench_policies import assigned_policy
-from spin_batch.selection.bandit import PRIOR_STRENGTH, BanditPolicy, Beta, PastGamma, RequestArms
-from spin_batch.selection.costs import CostModel, RatioEma
+from spin_batch.selection.bandit import (CALIBRATION_PRIOR, PRIOR_STRENGTH, PROBE_PULLS, BanditPolicy, Beta, Calibration,
+                                         PastGamma, RequestArms)
+from spin_batch.selection.costs import CostModel, Pricing, RatioEma
 from spin_batch.selection.factory import make_policy
 from spin_batch.selection.joint import JointChoice, expected_gain
 from spin_batch.selection.policy import Choice, Outcome, StepCosts
@@ -343,8 +344,9 @@ def test_only_gated_drafters_get_a_floor():
     policy = BanditPolicy(["g", "u"], max_gamma=4, seed=0, gated=frozenset({"g"}))
     picks = run_requests(policy, world, n_requests=10, steps_per_request=10, slots=4)
     assert any(c.drafter == "g" and c.gamma for c in picks) and any(c.drafter == "u" and c.gamma for c in picks)
-    # all but the first, unmeasured try and the rare ungated gamma exploration (the cost model needs varied N)
-    g_picks = [c for c in picks if c.drafter == "g" and c.gamma]
+    # all but the first, unmeasured try, the probes after it, and the rare ungated gamma exploration (the cost
+    # model needs varied N)
+    g_picks = [c for c in picks if c.drafter == "g" and c.gamma][PROBE_PULLS:]
     assert sum(c.min_prob > 0 for c in g_picks) >= 0.9 * len(g_picks)
     assert all(c.min_prob == 0 for c in picks if c.drafter != "g")
 
@@ -586,6 +588,52 @@ def test_tokens_past_gamma_are_valued_as_measured():
     assert choose(None) == "small"
     assert choose({"copy": (0.55, 0.6)}) == "copy"
     assert choose({"copy": (0.55, 6.0)}) == "small"  # rows past gamma that cost more than they bring
+
+
+def test_calibration_scales_what_the_joint_choice_predicts_by_what_its_picks_made():
+    """Calibration: per drafter and batch size, the draft tokens the joint choice's picks made against those
+    their means predicted; the factor scales the predicted draft tokens (joint.chain_gain), so a drafter whose
+    picks fall short drafts less. Probes and first trials are not the joint choice's and do not count."""
+    c = Calibration()
+    assert c.factor == 1.0
+    c.add(0.0, 4.0)
+    assert c.factor == pytest.approx(CALIBRATION_PRIOR / (CALIBRATION_PRIOR + 4.0))  # one step moves it little
+    for _ in range(2000):
+        c.add(1.0, 2.0)
+    assert c.factor == pytest.approx(0.5, abs=0.02)
+
+    world = World({"d": 0.8}, {"d": 0.001}, c0=0.02, c1=0.0005)
+    policy = BanditPolicy(["d"], max_gamma=6, seed=0, backoff=False)
+    run_requests(policy, world, n_requests=1, steps_per_request=PROBE_PULLS)  # the first trial, then probes
+    assert policy.calibration == {}
+    run_requests(policy, world, n_requests=4, steps_per_request=30)
+    predicted = policy.calibration[("d", 1)]
+    assert 0.8 < predicted.factor < 1.2  # a world whose acceptance is what the model says: predictions hold
+    chosen = policy.choose([0], [6])[0]
+    assert chosen.drafter == "d" and policy._predicted[0][:2] == ("d", 1)
+    arm = policy.requests[0].arms["d"]
+    assert policy._predicted[0][2] == pytest.approx(expected_gain(chosen.gamma, arm.mean) - 1.0)
+    policy.calibration[("d", 1)] = Calibration(realized=0.0, predicted=1000.0)  # its picks made nothing
+    assert policy.choose([0], [6])[0].gamma == 0
+    policy.calibration[("d", 4)] = Calibration(realized=0.0, predicted=1000.0)  # another batch size's does not
+    del policy.calibration[("d", 1)]
+    assert policy.choose([0], [6])[0].drafter == "d"
+
+
+def test_a_second_is_priced_at_least_at_plain_decodings_goodput():
+    """Plain decoding is always a choice, so the goodput that prices a second is at least its rate,
+    n / (c0 + c1 n): a batch whose costly drafts held its goodput below that would price them too cheap."""
+    pricing = Pricing([])
+    for n in (16, 32, 48, 64, 16, 32):
+        pricing.cost.observe_verify(n, 0.02 + 0.001 * n)
+    pricing.cost.goodput_at[16] = RatioEma(0.9)
+    pricing.cost.goodput_at[16].add(300.0, 1.0)  # 300 tokens/s at 16 slots, below plain's 16 / 0.036
+    pricing.cost.goodput.add(300.0, 1.0)
+    verify_price, lam = pricing.prices(16)
+    assert lam == pytest.approx(16 / 0.036) and verify_price == pytest.approx(lam * 0.001)
+    pricing.cost.goodput_at[1] = RatioEma(0.9)
+    pricing.cost.goodput_at[1].add(120.0, 1.0)  # 1 slot: drafting made more than plain's 1 / 0.021
+    assert pricing.prices(1)[1] == pytest.approx(120.0)
 
 
 def test_a_measured_drafter_is_probed_at_the_cap_for_a_few_steps():

@@ -47,30 +47,37 @@ def chain_spend(gamma: int, goes_on: float | None) -> tuple[float, float]:
 NO_PAST = (0.0, 0.0)
 
 
+def chain_gain(g: int, a: float, past: tuple[float, float] = NO_PAST, calibration: float = 1.0) -> float:
+    """Expected new tokens from a chain of g at rate a: E(g, a), plus a^g times the tokens the drafter was
+    measured to gain past gamma in a whole chain (past[0]); its drafts' share (all but the one token any
+    verify makes) scaled by the drafter's calibration (realized against predicted, see bandit.Calibration)."""
+    return 1.0 + calibration * (expected_gain(g, a) + a ** g * past[0] - 1.0)
+
+
 def chain_value(g: int, a: float, verify_price: float, position_price: float, spend: tuple[float, float],
-                past: tuple[float, float] = NO_PAST) -> float:
-    """E(g, a) minus the price of the tokens verified and the draft positions run (spend: chain_spend(g, ...)).
+                past: tuple[float, float] = NO_PAST, calibration: float = 1.0) -> float:
+    """chain_gain minus the price of the tokens verified and the draft positions run (spend: chain_spend(g, ...)).
 
     past: the drafter's tokens past gamma (DraftRequest.room), as measured: (accepted past gamma in a step
     whose gamma tokens were all accepted, proposed past gamma per step). They gain a^g times the first and
     cost the verified rows of the second."""
     proposed, ran = spend
-    beyond, rows = past
-    return (expected_gain(g, a) + a ** g * beyond - verify_price * (proposed + rows) - position_price * ran)
+    return chain_gain(g, a, past, calibration) - verify_price * (proposed + past[1]) - position_price * ran
 
 
 def best_gamma(a: float, verify_price: float, position_price: float, spend: list[tuple[float, float]],
-               forward_price: float = 0.0, depth: float = 0.0, past: tuple[float, float] = NO_PAST) -> tuple[float, int]:
+               forward_price: float = 0.0, depth: float = 0.0, past: tuple[float, float] = NO_PAST,
+               calibration: float = 1.0) -> tuple[float, int]:
     """max over g in 0..len(spend) - 1 of E(g, a) minus the price of what the chain spends, and its g.
 
     spend[g] is chain_spend(g, ...): the tokens verified and the draft positions run, each position
     priced at position_price, plus forward_price for each forward the chain adds beyond `depth` (the
     positions other slots of its drafter run anyway). Gamma 0 is worth 1. A chain the gate stops at
-    once proposes nothing but still costs a draft forward. past: chain_value's.
+    once proposes nothing but still costs a draft forward. past, calibration: chain_value's.
     """
     best_value, best_g = 1.0, 0
     for g in range(1, len(spend)):
-        value = (chain_value(g, a, verify_price, position_price, spend[g], past)
+        value = (chain_value(g, a, verify_price, position_price, spend[g], past, calibration)
                  - forward_price * max(spend[g][1] - depth, 0.0))
         if value > best_value + (DRAFT_MARGIN if best_g == 0 else 0.0):
             best_value, best_g = value, g
@@ -99,11 +106,14 @@ class JointChoice:
 
     def __init__(self, caps: list[int], rates: list[dict[str, float]], means: list[dict[str, float]],
                  coeffs: dict[str, tuple[float, float]], goes_on: dict[str, float | None], verify_price: float,
-                 lam: float, past: dict[str, tuple[float, float]] | None = None):
-        """past: per drafter whose chains run past gamma, its measured tokens past gamma (chain_value)."""
+                 lam: float, past: dict[str, tuple[float, float]] | None = None,
+                 calibration: dict[str, float] | None = None):
+        """past: per drafter whose chains run past gamma, its measured tokens past gamma; calibration: per
+        drafter, its realized draft tokens against those predicted at this batch size (chain_gain; 1 if absent)."""
         self.caps, self.rates, self.means, self.lam, self.verify_price = caps, rates, means, lam, verify_price
         self.coeffs = coeffs
         self.past = past or {}
+        self.calibration = calibration or {}
         self.spend = {d: [chain_spend(g, c) for g in range(max(caps) + 1)] for d, c in goes_on.items()}
         self.n = len(caps)
         self._memo: dict[tuple, tuple[float, int]] = {}  # _best by its arguments: passes repeat most of them
@@ -130,8 +140,8 @@ class JointChoice:
         """An upper bound on drain_value over the choices that draft for every slot (any other is worth at
         most n): each slot gains its best, for at least one priced token of the cheapest drafter. At or under
         n, solve() is not worth running in the drain."""
-        best = min(max(expected_gain(cap, a) + self.past.get(d, NO_PAST)[0] for d, a in means.items())
-                   for cap, means in zip(self.caps, self.means))
+        best = min(max(chain_gain(cap, a, self.past.get(d, NO_PAST), self.calibration.get(d, 1.0))
+                       for d, a in means.items()) for cap, means in zip(self.caps, self.means))
         least = min(self.verify_price * spend[1][0] for spend in self.spend.values())
         return self.n * (best - least)
 
@@ -152,7 +162,7 @@ class JointChoice:
 
         Compare with n (every slot decoding plainly, worth one token each).
         """
-        gains = [1.0 if d is None else self._gain(k, d, g) for k, (d, g) in enumerate(picks)]
+        gains = [1.0 if d is None else self.gain(k, d, g) for k, (d, g) in enumerate(picks)]
         prices = sum(gain - (1.0 if d is None else self._value(k, d, g))
                      for k, ((d, g), gain) in enumerate(zip(picks, gains)))
         prices += sum(self.lam * self.coeffs[d][0] * depth for d, depth in self._depths(picks).items())
@@ -203,21 +213,21 @@ class JointChoice:
         if key not in self._memo:
             f, s = self.coeffs[d]
             spend = self.spend[d][: self.caps[k] + 1]
-            past = self.past.get(d, NO_PAST)
-            self._memo[key] = (best_gamma(a, self.verify_price, self.lam * (s + f / self.n), spend, past=past)
-                               if shared else
-                               best_gamma(a, self.verify_price, self.lam * s, spend, self.lam * f, depth, past))
+            past, calibration = self.past.get(d, NO_PAST), self.calibration.get(d, 1.0)
+            self._memo[key] = (best_gamma(a, self.verify_price, self.lam * (s + f / self.n), spend, past=past,
+                                          calibration=calibration) if shared else
+                               best_gamma(a, self.verify_price, self.lam * s, spend, self.lam * f, depth, past,
+                                          calibration))
         return self._memo[key]
 
-    def _gain(self, k: int, d: str, g: int) -> float:
-        """Slot k's expected tokens from (d, g) at the posterior mean, those past gamma included."""
-        a = self.means[k][d]
-        return expected_gain(g, a) + a ** g * self.past.get(d, NO_PAST)[0]
+    def gain(self, k: int, d: str, g: int) -> float:
+        """Slot k's expected tokens from (d, g) at the posterior mean (chain_gain)."""
+        return chain_gain(g, self.means[k][d], self.past.get(d, NO_PAST), self.calibration.get(d, 1.0))
 
     def _value(self, k: int, d: str, g: int) -> float:
         """chain_value of slot k's pick (d, g) at the posterior mean, its forwards aside."""
         return chain_value(g, self.means[k][d], self.verify_price, self.lam * self.coeffs[d][1], self.spend[d][g],
-                           self.past.get(d, NO_PAST))
+                           self.past.get(d, NO_PAST), self.calibration.get(d, 1.0))
 
     def _depths(self, picks: list[tuple[str | None, int]], skip: int = -1) -> dict[str, float]:
         """Per drafter, the draft positions its deepest slot runs (so its forwards), slot `skip` aside."""
