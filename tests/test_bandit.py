@@ -8,8 +8,8 @@ import random
 import pytest
 
 from spin_batch.bench_policies import assigned_policy
-from spin_batch.selection.bandit import (CALIBRATION_PRIOR, PRIOR_STRENGTH, PROBE_PULLS, BanditPolicy, Beta, Calibration,
-                                         PastGamma, RequestArms)
+from spin_batch.selection.bandit import (CALIBRATION_PRIOR, PRIOR_STRENGTH, PROBE_PULLS, BanditPolicy, Beta,
+                                         Calibration, PastGamma, RequestArms)
 from spin_batch.selection.costs import CostModel, Pricing, RatioEma
 from spin_batch.selection.factory import make_policy
 from spin_batch.selection.joint import JointChoice, expected_gain
@@ -582,7 +582,8 @@ def test_tokens_past_gamma_are_valued_as_measured():
 
     def choose(past):
         return JointChoice(caps=[6], rates=[{"copy": 0.93, "small": 0.62}], means=[{"copy": 0.93, "small": 0.62}],
-                           coeffs={"copy": (0.0047, 0.0), "small": (0.0003, 0.0)}, goes_on={"copy": None, "small": None},
+                           coeffs={"copy": (0.0047, 0.0), "small": (0.0003, 0.0)},
+                           goes_on={"copy": None, "small": None},
                            verify_price=0.06, lam=120.0, past=past).solve()[0][0]
 
     assert choose(None) == "small"

@@ -271,7 +271,7 @@ class BatchLoop:
         for name, idxs in by_drafter.items():
             reqs = [DraftRequest(decode[i].index, decode[i].tokens, choices[i].gamma, decode[i].gen, choices[i].min_prob,
                                  decode[i].sp, self._tree_budget(decode[i], choices[i], self.drafters[name]),
-                                 room=self._gamma_cap(decode[i]) - choices[i].gamma) for i in idxs]
+                                 room=max(self._gamma_cap(decode[i]) - choices[i].gamma, 0)) for i in idxs]
             t0 = time.perf_counter()
             prop = self.drafters[name].propose(reqs)
             seconds[name] = time.perf_counter() - t0

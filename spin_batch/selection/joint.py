@@ -11,6 +11,10 @@ slots that draft on few drafters: a batch split over drafters pays every drafter
 A gated chain (the confidence gate, see costs.Pricing) of cap g at go-on rate c costs E(g, c) - 1
 verified tokens instead of g, and E(g, c) - c^g draft positions (the position the gate stopped at
 was drafted too). In the drain a choice is worth its slowest slot's gain (JointChoice.drain_value).
+
+chain_gain adds what the model alone misses: the tokens a drafter was measured to gain past gamma
+(DraftRequest.room), and a per-drafter calibration of the predicted draft tokens by what the joint
+choice's picks made at this batch size (bandit.Calibration).
 """
 
 from __future__ import annotations
