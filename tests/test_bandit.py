@@ -194,6 +194,33 @@ def test_step_gate_pairs_a_burst_with_the_steps_before_it():
     assert gate.band(6) == gate.band(4) != gate.band(8)
 
 
+@pytest.mark.parametrize("larger_ahead", [True, False])
+def test_a_band_whose_steps_fall_between_a_larger_bands_takes_its_lead(larger_ahead):
+    """Between admissions a 4-slot job runs a few steps at 2-3 decoding slots, each between steps at 4: a
+    plain step there never continues a run of its mode, so a burst is never scored nor paired. With no pair
+    of its own, such a band spaces its bursts by the lead of the nearest larger band where speculation
+    measured ahead (it pays more at fewer slots); where that band measured plain decoding ahead, it bursts."""
+    from spin_batch.selection.gate import GATE_WARMUP, StepGate
+
+    def goodput(mode):
+        return (20 if mode else 10) if larger_ahead else (10 if mode else 20)
+
+    gate = StepGate()
+    _gate_steps(gate, 200, lambda step, mode: goodput(mode))
+    assert gate.log_ratio[3].n >= 2 and 2 not in gate.log_ratio
+    plain_at_2 = 0
+    for _ in range(GATE_WARMUP + 40):
+        mode = gate.decide(2)
+        plain_at_2 += not mode
+        gate.observe(2, mode, goodput(mode), 1.0)
+        mode = gate.decide(4)
+        gate.observe(4, mode, goodput(mode), 1.0)
+    if larger_ahead:
+        assert 2 not in gate.log_ratio and plain_at_2 == 0  # never paired, and no burst yet
+    else:
+        assert plain_at_2 > 0  # nothing to take a lead from: the band measures plain decoding itself
+
+
 @pytest.mark.parametrize("spec_ahead", [1.15, 1 / 1.15])
 def test_step_gate_follows_the_faster_mode_through_drift(spec_ahead):
     """The machine's speed swings by +-30% over 100 steps, twice the gap between the modes: speculating

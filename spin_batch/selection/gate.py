@@ -114,7 +114,7 @@ class StepGate:
             return True
         burst = self._burst.get(band)
         if burst is None:
-            winner, ratio = self.verdict(band), self.log_ratio.get(band)
+            winner, ratio = self.verdict(band), self.log_ratio.get(band) or self._ahead_above(band)
             self._since[band] += 1
             if ratio is not None:  # else no pair yet: a burst of plain decoding right after the warm-up
                 if self._since[band] < self.refresh(ratio.mean if winner else 0.0):
@@ -123,6 +123,16 @@ class StepGate:
             burst = self._burst[band] = Burst(not winner, GATE_BURST)
         burst.left -= 1
         return burst.speculate
+
+    def _ahead_above(self, band: int) -> DecayedMean | None:
+        """The paired ratio of the nearest larger band where speculation measured ahead, for a band with no pair
+        of its own: a verified row costs less the fewer the slots, so speculation that pays at a larger batch
+        pays at a smaller one too, and the smaller band spaces its bursts by that lead. Without it, the bands
+        a 4-slot job passes through between admissions (1, 2-3) ran a plain burst at every turn: their steps
+        fall between the larger band's, so none continued a run of its mode to be scored, no pair came, and
+        the next step began another burst (15 plain steps of 49 at 1-3 decoding slots, demo job, 4 slots)."""
+        measured = [self.log_ratio[b] for b in sorted(self.log_ratio) if b > band and self.log_ratio[b].n >= 2]
+        return measured[0] if measured and measured[0].mean - measured[0].stderr > 0 else None
 
     @staticmethod
     def refresh(lead: float) -> float:
