@@ -71,7 +71,7 @@ from .costs import CostModel, Pricing
 from .gate import StepGate
 
 TREES_FIRST_SLOTS = 1  # up to this many decoding slots, token trees are the tree gate's favoured mode
-from .joint import NO_PAST, JointChoice, best_gamma, chain_gain, chain_spend
+from .joint import JointChoice, best_gamma, chain_gain, chain_spend
 from .policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
 
 PRIOR_STRENGTH = 6.0  # pseudo-tokens a warm start is worth until the spread between requests is measured
@@ -247,7 +247,6 @@ class BanditPolicy(Policy):
         self.calibration: dict[tuple[str, int], Calibration] = {}  # per (drafter, decoding slots)
         # per slot the joint choice drafted for this step: (drafter, decoding slots, predicted draft tokens)
         self._predicted: dict[int, tuple[str, int, float]] = {}
-        self._gains: dict[int, float] = {}  # the same by index among the step's slots, as _joint predicts them
         self.pulls = Counter()  # per drafter, steps that drafted with it (any slot)
         self.pricing = Pricing([d for d in self.drafters if d in self.gated], self.cost)
         self.gate = StepGate() if self.backoff else None
@@ -289,7 +288,7 @@ class BanditPolicy(Policy):
 
     def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
         verify_price, lam = self.pricing.prices(len(slots))
-        self._predicted, self._gains = {}, {}
+        self._predicted = {}
         if self.gate is not None:
             self._step = (len(slots), self.gate.decide(len(slots)))
             if not self._step[1]:
@@ -336,8 +335,10 @@ class BanditPolicy(Policy):
             if self.cost.measured(name):
                 g = self.rng.randint(0, cap)
                 out[explorer] = Choice(name, g) if g else NO_SPEC  # ungated: the cost model must see N vary
-        self._predicted = {slots[i]: (out[i].drafter, len(slots), gain) for i, gain in self._gains.items()
-                           if i != explorer}
+        # what the joint choice's picks are predicted to gain at their means, uncalibrated (Calibration)
+        self._predicted = {slots[i]: (c.drafter, len(slots), chain_gain(c.gamma, req.arms[c.drafter].mean,
+                                                                        self.past[c.drafter].value) - 1.0)
+                           for i, req, _ in open_ if i != explorer and (c := out[i]).drafter is not None}
         return out
 
     def _could_pay(self, drafter: str, n: int, cap: int, verify_price: float, lam: float) -> bool:
@@ -365,8 +366,7 @@ class BanditPolicy(Policy):
 
     def _joint(self, open_: list[tuple[int, RequestArms, int]], n: int, verify_price: float,
                lam: float) -> dict[int, Choice]:
-        """Each open slot's choice (see JointChoice) among n decoding slots, with its drafter's confidence floor;
-        the draft tokens each pick is predicted to gain go to _gains, for the calibration (Calibration)."""
+        """Each open slot's choice (see JointChoice) among n decoding slots, with its drafter's confidence floor."""
         if not open_:
             return {}
         evidence = sum(b.n - 2.0 for b in self.pooled.values())  # observations pooled over every drafter
@@ -387,9 +387,6 @@ class BanditPolicy(Policy):
             if joint.drain_value(picks) <= joint.n:
                 return {}
         sharing = Counter(d for d, _ in picks if d is not None)
-        # the draft tokens the means predict, uncalibrated: what the calibration measures
-        self._gains = {i: chain_gain(g, joint.means[k][d], joint.past.get(d, NO_PAST)) - 1.0
-                       for k, ((i, _, _), (d, g)) in enumerate(zip(open_, picks)) if d is not None}
         return {i: Choice(d, g, self.pricing.floor(d, sharing[d], verify_price, lam), self._nodes(d))
                 for (i, _, _), (d, g) in zip(open_, picks) if d is not None}
 
