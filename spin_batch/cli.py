@@ -36,7 +36,9 @@ def main() -> None:
 @click.option("--shard-index", type=int, default=None,
               help="This worker's index (default: SLURM_ARRAY_TASK_ID, else 0).")
 @click.option("--num-shards", type=int, default=None,
-              help="Number of workers (default: SLURM_ARRAY_TASK_COUNT, else 1).")
+              help="Number of workers (default: SLURM_ARRAY_TASK_COUNT, else 1). Give it under Slurm, so that "
+                   "`sbatch --array=2` redoes worker 2 of N; it must match OUTPUT_DIR/workers.json, which the "
+                   "folder's first run wrote.")
 @click.option("--limit", type=int, default=None, help="Process only the first N rows of this worker's input.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (for logs).")
 @click.option("--retry-errors", is_flag=True,

@@ -15,12 +15,12 @@ from pathlib import Path
 from .build import Engine, backends, build_engine, make_encoder, model_backend
 from .config import JobConfig, job_to_dict
 from .export import write_results
-from .fingerprint import check_fingerprint
+from .fingerprint import check_fingerprint, check_workers
 from .io.checks import check_columns
 from .io.outputs import cleanup_temp, drop_superseded, read_done
 from .io.reader import iter_requests
 from .io.schema import completion_row
-from .io.shards import assign, count_rows, file_format, list_shards, shard_defaults_from_env, worker_sources
+from .io.shards import assign, count_rows, file_format, list_shards, resolve_workers, worker_sources
 from .io.writer import OutputWriter, StatsWriter, make_run_id, write_json_atomic
 from .preflight import check_output
 from .records import Completion, Request
@@ -76,10 +76,7 @@ def run_job(
     """Run (or resume) this worker's part of the job. ``retry_errors``: redo the rows whose latest row
     is an error. ``allow_changed_job``: resume even though the settings that change a row's text
     differ from those the output folder's rows were made with (fingerprint.py)."""
-    if shard_index is None or num_shards is None:
-        env_index, env_count = shard_defaults_from_env()
-        shard_index = env_index if shard_index is None else shard_index
-        num_shards = env_count if num_shards is None else num_shards
+    shard_index, num_shards = resolve_workers(shard_index, num_shards)
     # everything that can be checked without weights is, before any model loads
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"--limit must be an integer >= 0, got {limit!r}")
@@ -95,6 +92,7 @@ def run_job(
     out = Path(job.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     check_fingerprint(out, job, allow_changed=allow_changed_job)
+    check_workers(out, shard_index, num_shards)  # a one-task Slurm array redoing task 2 of 4 is refused
     worker = f"w{shard_index:04d}"
     lock = RunLock(out, worker)  # a second run of this worker stops here while this one goes on
     try:
