@@ -162,8 +162,8 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
             last_interval[0] = now
             if log_lines:
                 done_now = emitted[0] + (done_mine if upfront else skipped)
-                _log(f"spin-batch: worker {worker_text}: rows {done_now}/{'?' if total is None else total} "
-                     f"({emitted[0]} this run), {int(stats.totals['generated_tokens'])} tokens, "
+                _log(f"spin-batch: worker {worker_text}: {rows_progress(done_now, total, emitted[0], stats.elapsed())}"
+                     f", {int(stats.totals['generated_tokens'])} tokens, "
                      f"{record['tokens_per_s']:.1f} tok/s, {len(engine.loop.active)}/{job.batch.slots} slots active")
 
     try:
@@ -246,6 +246,26 @@ def _progress(enabled: bool, total: int | None, already: int):
 def _log(line: str) -> None:
     """One line on stderr, with a UTC ISO timestamp first."""
     print(f"{datetime.now(timezone.utc):%Y-%m-%dT%H:%M:%SZ} {line}", file=sys.stderr, flush=True)
+
+
+def rows_progress(done: int, total: int | None, this_run: int, elapsed: float) -> str:
+    """``rows 30/80 (37.5%, ETA 0:01:40, 0.30 rows/s; 12 this run)``: a log line's progress, as a bar shows
+    it. The rate is this run's rows over its time since the models loaded; the ETA is the rows left at
+    that rate (``?`` before the run's first row, or where the total is not known)."""
+    rate = this_run / elapsed if this_run and elapsed > 0 else None
+    speed = "" if rate is None else f"{rate:.2f} rows/s; " if rate >= 0.1 else f"{rate:.2g} rows/s; "
+    if total is None:
+        return f"rows {done}/? ({speed}{this_run} this run)"
+    left = max(total - done, 0)
+    eta = _clock(left / rate) if rate else "0:00:00" if not left else "?"
+    percent = 100.0 * done / total if total else 100.0
+    return f"rows {done}/{total} ({percent:.1f}%, ETA {eta}, {speed}{this_run} this run)"
+
+
+def _clock(seconds: float) -> str:
+    """H:MM:SS, rounded up to the second."""
+    whole = int(-(-seconds // 1))
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
 
 
 def start_line(job: JobConfig, engine: Engine, worker: str, done: int | None, total: int | None) -> str:
