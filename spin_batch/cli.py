@@ -231,8 +231,9 @@ def export(out_dir, dest, fmt, model, no_errors):
 
     \b
     One row per input row (by id): where a row was retried or redone, the
-    latest row counts; a part that cannot be read fails the export, named. Rows are ordered by shard path, then row index. The file
-    is written under a temporary name and renamed into place.
+    latest row counts; a part that cannot be read fails the export, named.
+    Rows are ordered by shard path, then row index. The file is written
+    under a temporary name and renamed into place.
     """
     from .export import ExportError
     from .export import export as do_export
