@@ -50,9 +50,10 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_
 
     \b
     A rerun of the same job resumes: rows already written are skipped,
-    error rows included unless --retry-errors. Each input row (source) keeps
-    one output row: a retried row replaces the old error row in the parts
-    (the latest row of a source counts; `report` and read_outputs read that).
+    error rows included unless --retry-errors. A row is known by its id and
+    what decides its text, not by its file's path: a row whose input changed
+    under its id is redone. Each id keeps one output row: a retried or redone
+    row replaces the old one in the parts (`report` and export read that).
     A part that cannot be read is moved aside (.corrupt-<time>) and its
     rows are redone. A resume whose text-changing settings differ from the
     first run's is refused unless --allow-changed-job.
@@ -193,8 +194,12 @@ def report(out_dir, png):
     from pathlib import Path
 
     from . import report as r
+    from .io.schema import OutputError
 
-    info = r.load(Path(out_dir))
+    try:
+        info = r.load(Path(out_dir))
+    except OutputError as e:  # a part that does not read whole: named, never left out
+        raise click.ClickException(str(e)) from None
     if not info["rows"] and not info["runs"]:
         raise click.ClickException(f"{out_dir}: no outputs or summaries yet")
     click.echo(r.text_table(info))
@@ -225,9 +230,10 @@ def export(out_dir, dest, fmt, model, no_errors):
     """Merge every worker's output parts into one file, in input order.
 
     \b
-    One row per input row (source): where a row was retried, the latest
-    row counts. Rows are ordered by shard path, then row index. The file
-    is written under a temporary name and renamed into place.
+    One row per input row (by id): where a row was retried or redone, the
+    latest row counts; a part that cannot be read fails the export, named.
+    Rows are ordered by shard path, then row index. The file is written
+    under a temporary name and renamed into place.
     """
     from .export import ExportError
     from .export import export as do_export

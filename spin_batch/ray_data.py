@@ -57,8 +57,10 @@ from .records import Completion, Request
 Hook = Callable[[dict], dict]
 
 #: The output columns added to each row ("id" is the input's own column; "source" means a shard row;
-#: endpoint, model and created serve the OpenAI batch output, which Ray does not write).
-RESULT_FIELDS = [f for f in OUTPUT_SCHEMA if f.name not in ("id", "source", "endpoint", "model", "created")]
+#: endpoint, model and created serve the OpenAI batch output, which Ray does not write; input_digest
+#: and input_key a run's resume, which is Ray's business here).
+RESULT_FIELDS = [f for f in OUTPUT_SCHEMA
+                 if f.name not in ("id", "source", "endpoint", "model", "created", "input_digest", "input_key")]
 RESULT_NAMES = frozenset(f.name for f in RESULT_FIELDS)
 # Placeholders for the job keys Ray makes moot, so a job given as a mapping may leave them out.
 _UNUSED = {"input": {"paths": ["<ray data>"]}, "output": {"dir": "<ray data>"}}

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..records import Request
+from .identity import digest
 from .params import ParamError, body_params
 from .rows import BadRow, Row, Spec, kept_columns, parse_messages, type_name, unicode_text
 
@@ -67,6 +68,7 @@ def _openai_prompt(value: Any) -> str:
 def openai_row(source: str, line: Mapping[str, Any], spec: Spec) -> Row:
     """Turn one OpenAI batch line into a Request; problems (named by field) become an error request."""
     row_id = endpoint = model = keep = None
+    text_digest = digest({"method": line.get("method"), "url": line.get("url"), "body": line.get("body")})
     try:
         row_id = _openai_id(line.get("custom_id"))
         keep = kept_columns(line, spec) if isinstance(spec.keep, tuple) else None  # the body is the request
@@ -86,10 +88,7 @@ def openai_row(source: str, line: Mapping[str, Any], spec: Spec) -> Row:
         else:
             prompt, messages = _openai_prompt(body.get("prompt")), None
         return Row(Request(source, row_id, prompt, messages, params=params, endpoint=endpoint, model=model,
-                           keep=keep))
-    except ParamError as bad:
-        return Row(Request(source, row_id, None, None, bad.message, endpoint=endpoint, model=model, keep=keep),
-                   bad.kind)
-    except BadRow as bad:
-        return Row(Request(source, row_id, None, None, bad.message, endpoint=endpoint, model=model, keep=keep),
-                   bad.kind)
+                           keep=keep, digest=text_digest))
+    except (ParamError, BadRow) as bad:
+        return Row(Request(source, row_id, None, None, bad.message, endpoint=endpoint, model=model, keep=keep,
+                           digest=text_digest), bad.kind)

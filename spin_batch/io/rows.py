@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..records import NO_PARAMS, Request, RowParams
+from .identity import digest
 from .params import ParamError, column_params
 from .shards import FORMATS, InputError
 
@@ -111,9 +112,10 @@ class BadRow(Exception):
         self.message = message
 
 
-def bad_row(source: str, kind: str, message: str) -> Row:
-    """An error row with no id (a line that is no row at all: not JSON, too long, ...)."""
-    return Row(Request(source, None, None, None, message), kind)
+def bad_row(source: str, kind: str, message: str, line_digest: str | None = None) -> Row:
+    """An error row with no id (a line that is no row at all: not JSON, too long, ...); ``line_digest``
+    the line's (io/identity.py)."""
+    return Row(Request(source, None, None, None, message, digest=line_digest), kind)
 
 
 def type_name(value: Any) -> str:
@@ -191,6 +193,9 @@ class NotUtf8:
     def __init__(self, at: int) -> None:
         self.at = at
 
+    def __repr__(self) -> str:
+        return f"NotUtf8({self.at})"
+
 
 def _check_utf8(values: Mapping[str, Any], keys: Iterable[str]) -> None:
     """A Parquet value of these columns whose bytes are not UTF-8 makes the row an error row."""
@@ -234,9 +239,16 @@ def _params(values: Mapping[str, Any], spec: Spec) -> RowParams:
         raise BadRow(bad.kind, bad.message) from None
 
 
+def row_digest(values: Mapping[str, Any], spec: Spec) -> str:
+    """The digest of what decides a plain row's text: its prompt, messages and params values."""
+    return digest({"prompt": _value(values, spec.prompt), "messages": _value(values, spec.messages),
+                   "params": None if spec.params is None else _value(values, spec.params)})
+
+
 def build_row(source: str, values: Mapping[str, Any], spec: Spec) -> Row:
     """Turn a plain row's field values into a Request; problems become an error request."""
     row_id = keep = None
+    text_digest = row_digest(values, spec)
     try:
         _check_utf8(values, [spec.id])
         row_id = _parse_id(_value(values, spec.id))
@@ -251,6 +263,7 @@ def build_row(source: str, values: Mapping[str, Any], spec: Spec) -> Row:
             prompt, messages = None, parse_messages(messages)
         else:
             prompt = _parse_prompt(_value(values, spec.prompt))
-        return Row(Request(source, row_id, prompt, messages, params=_params(values, spec), keep=keep))
+        return Row(Request(source, row_id, prompt, messages, params=_params(values, spec), keep=keep,
+                           digest=text_digest))
     except BadRow as bad:
-        return Row(Request(source, row_id, None, None, bad.message, keep=keep), bad.kind)
+        return Row(Request(source, row_id, None, None, bad.message, keep=keep, digest=text_digest), bad.kind)
