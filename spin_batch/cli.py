@@ -45,7 +45,11 @@ def main() -> None:
 @click.option("--allow-changed-job", is_flag=True,
               help="Resume even though settings that change a row's text (model, dtype, sampling, columns, "
                    "chat template) differ from those OUTPUT_DIR/job-fingerprint.json recorded.")
-def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job):
+@click.option("--max-error-rate", type=click.FloatRange(0, 1), default=None, metavar="F",
+              help="Exit 65 when more than this fraction of this run's rows are error rows (0: any error row; "
+                   "1: never). Default: only when every row of this run is an error row.")
+def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job,
+        max_error_rate):
     """Run a job: decode every prompt and write outputs, stats and summary.json.
 
     \b
@@ -68,6 +72,9 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_
       0           every row was written (error rows included)
       1           bad job or flags (found before any model loads), or an
                   input file that cannot be read
+      65          every row was written, but error rows are more than
+                  --max-error-rate of this run's rows (default: all of
+                  them) (EX_DATAERR)
       75          another run of this job and worker holds the lock
                   (EX_TEMPFAIL: try later)
       128+signal  stopped by SIGTERM (143) or SIGINT (130) after finishing
@@ -75,14 +82,16 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_
                   once. Rerun the same command to resume.
     """
     try:
-        _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job)
+        _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job,
+             max_error_rate)
     except KeyboardInterrupt:  # Ctrl-C before the loop ran, or a second one: not a bad job (click says 1)
         click.echo("\nspin-batch: interrupted; rows already written are kept, rerun the same command to resume",
                    err=True)
         sys.exit(130)
 
 
-def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job):
+def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job,
+         max_error_rate=None):
     from .io.shards import InputError
     from .io.schema import OutputError
     from .models.cpu_decoder import CpuDecoderUnavailable
@@ -115,6 +124,12 @@ def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry
     )
     if result.stopped_by is not None:
         sys.exit(128 + result.stopped_by)
+    from .outcome import EXIT_ERROR_ROWS, error_rate_failure
+
+    failed = error_rate_failure(s, job.output.dir, max_error_rate)
+    if failed:
+        click.echo(f"Error: {failed}", err=True)
+        sys.exit(EXIT_ERROR_ROWS)
 
 
 @main.command()
