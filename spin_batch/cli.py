@@ -47,14 +47,19 @@ def main() -> None:
 @click.option("--allow-changed-job", is_flag=True,
               help="Resume even though settings that change a row's text (model, dtype, sampling, columns, "
                    "chat template) differ from those OUTPUT_DIR/job-fingerprint.json recorded.")
-def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job):
+@click.option("--max-error-rate", type=click.FloatRange(0, 1), default=None, metavar="F",
+              help="Exit 65 when more than this fraction of this run's rows are error rows (0: any error row; "
+                   "1: never). Default: only when every row of this run is an error row.")
+def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job,
+        max_error_rate):
     """Run a job: decode every prompt and write outputs, stats and summary.json.
 
     \b
     A rerun of the same job resumes: rows already written are skipped,
-    error rows included unless --retry-errors. Each input row (source) keeps
-    one output row: a retried row replaces the old error row in the parts
-    (the latest row of a source counts; `report` and read_outputs read that).
+    error rows included unless --retry-errors. A row is known by its id and
+    what decides its text, not by its file's path: a row whose input changed
+    under its id is redone. Each id keeps one output row: a retried or redone
+    row replaces the old one in the parts (`report` and export read that).
     A part that cannot be read is moved aside (.corrupt-<time>) and its
     rows are redone. A resume whose text-changing settings differ from the
     first run's is refused unless --allow-changed-job.
@@ -69,6 +74,9 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_
       0           every row was written (error rows included)
       1           bad job or flags (found before any model loads), or an
                   input file that cannot be read
+      65          every row was written, but error rows are more than
+                  --max-error-rate of this run's rows (default: all of
+                  them) (EX_DATAERR)
       75          another run of this job and worker holds the lock
                   (EX_TEMPFAIL: try later)
       128+signal  stopped by SIGTERM (143) or SIGINT (130) after finishing
@@ -76,14 +84,16 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_
                   once. Rerun the same command to resume.
     """
     try:
-        _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job)
+        _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job,
+             max_error_rate)
     except KeyboardInterrupt:  # Ctrl-C before the loop ran, or a second one: not a bad job (click says 1)
         click.echo("\nspin-batch: interrupted; rows already written are kept, rerun the same command to resume",
                    err=True)
         sys.exit(130)
 
 
-def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job):
+def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job,
+         max_error_rate=None):
     from .io.shards import InputError
     from .io.schema import OutputError
     from .models.cpu_decoder import CpuDecoderUnavailable
@@ -116,6 +126,12 @@ def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry
     )
     if result.stopped_by is not None:
         sys.exit(128 + result.stopped_by)
+    from .outcome import EXIT_ERROR_ROWS, error_rate_failure
+
+    failed = error_rate_failure(s, job.output.dir, max_error_rate)
+    if failed:
+        click.echo(f"Error: {failed}", err=True)
+        sys.exit(EXIT_ERROR_ROWS)
 
 
 @main.command()
@@ -195,8 +211,12 @@ def report(out_dir, png):
     from pathlib import Path
 
     from . import report as r
+    from .io.schema import OutputError
 
-    info = r.load(Path(out_dir))
+    try:
+        info = r.load(Path(out_dir))
+    except OutputError as e:  # a part that does not read whole: named, never left out
+        raise click.ClickException(str(e)) from None
     if not info["rows"] and not info["runs"]:
         raise click.ClickException(f"{out_dir}: no outputs or summaries yet")
     click.echo(r.text_table(info))
@@ -227,9 +247,10 @@ def export(out_dir, dest, fmt, model, no_errors):
     """Merge every worker's output parts into one file, in input order.
 
     \b
-    One row per input row (source): where a row was retried, the latest
-    row counts. Rows are ordered by shard path, then row index. The file
-    is written under a temporary name and renamed into place.
+    One row per input row (by id): where a row was retried or redone, the
+    latest row counts; a part that cannot be read fails the export, named.
+    Rows are ordered by shard path, then row index. The file is written
+    under a temporary name and renamed into place.
     """
     from .export import ExportError
     from .export import export as do_export

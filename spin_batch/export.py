@@ -1,8 +1,9 @@
 """`spin-batch export OUTPUT_DIR --to FILE`: every worker's output parts as one file, in input order.
 
-The rows are those :func:`spin_batch.io.outputs.read_output_table` gives (each source's latest row: a
-retried row replaces the error row it redid; the input columns the rows carry beside spin-batch's),
-ordered by input position. A row's ``source`` is ``"<shard path>#<row index>"``; the job reads its
+The rows are those :func:`spin_batch.io.outputs.read_output_table` gives (each key's latest row: a
+retried or redone row replaces the row it redid, so one row per id; the input columns the rows carry
+beside spin-batch's), ordered by input position; a part that cannot be read whole fails the export,
+naming it. A row's ``source`` is ``"<shard path>#<row index>"``; the job reads its
 shards in sorted path order (``list_shards``), so rows are ordered by shard path, then by row index as
 a number. The file is written under a temporary name in the same folder and renamed into place, so a
 reader never sees half a file.
@@ -23,6 +24,7 @@ import pyarrow.parquet as pq
 
 from .io.openai_batch import response_lines
 from .io.outputs import read_output_table
+from .io.schema import OutputError
 from .io.writer import OUTPUTS_DIR, write_atomic
 
 EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
@@ -46,14 +48,19 @@ def _position(source: str) -> tuple[str, int, str]:
 
 
 def ordered_table(out_dir: str | Path, *, errors: bool = True) -> pa.Table:
-    """The job's output rows (latest row per source) in input order; without ``errors``, the ok rows only."""
+    """The job's output rows (latest row per key) in input order; without ``errors``, the ok rows only.
+    ExportError when a part cannot be read whole."""
     out = Path(out_dir)
     if not out.is_dir():
         raise ExportError(f"{out}: no such output folder")
     if not any((out / OUTPUTS_DIR).glob("part-*.parquet")):
         raise ExportError(f"{out}: no output parts (nothing under {out / OUTPUTS_DIR}/part-*.parquet); "
                           "is this a job's output.dir, and has a run written rows yet?")
-    return _in_order(read_output_table(out), errors)
+    try:
+        table = read_output_table(out)
+    except OutputError as e:  # a part that does not read whole: named, never left out
+        raise ExportError(str(e)) from None
+    return _in_order(table, errors)
 
 
 def _in_order(table: pa.Table, errors: bool = True) -> pa.Table:

@@ -67,8 +67,10 @@ from .records import Completion, Request
 Hook = Callable[[dict], dict]
 
 #: The output columns added to each row ("id" is the input's own column; "source" means a shard row;
-#: endpoint, model and created serve the OpenAI batch output, which Ray does not write).
-RESULT_FIELDS = [f for f in OUTPUT_SCHEMA if f.name not in ("id", "source", "endpoint", "model", "created")]
+#: endpoint, model and created serve the OpenAI batch output, which Ray does not write; input_digest
+#: and input_key a run's resume, which is Ray's business here).
+RESULT_FIELDS = [f for f in OUTPUT_SCHEMA
+                 if f.name not in ("id", "source", "endpoint", "model", "created", "input_digest", "input_key")]
 #: ``result_names="ray_llm"``: our columns under the names Ray Data LLM's processors write.
 RAY_LLM_NAMES = {"text": "generated_text", "prompt_tokens": "num_input_tokens",
                  "completion_tokens": "num_generated_tokens"}

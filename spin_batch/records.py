@@ -35,7 +35,8 @@ class Request:
     """One input row.
 
     Attributes:
-        source: ``"<absolute shard path>#<0-based row index>"``; the resume key.
+        source: ``"<absolute shard path>#<0-based row index>"``: where the row was read (information;
+            the resume key is the id and ``digest``, io/identity.py).
         id: the row id as a string, or None when the row has no usable id.
         prompt: plain-text prompt, or None.
         messages: chat messages ``({"role": str, "content": str}, ...)``, or None.
@@ -45,6 +46,8 @@ class Request:
             for /v1/completions), None for a plain row.
         model: the OpenAI body's "model", echoed in the response line; None otherwise.
         keep: the input columns carried to the output row (output.keep_columns), or None.
+        digest: what decides the row's text, digested (io/identity.py); None where not known.
+        input_key: set for a row keyed by its place, not by its id alone (io/identity.py).
     """
 
     source: str
@@ -56,6 +59,8 @@ class Request:
     endpoint: Literal["chat", "completion"] | None = None
     model: str | None = None
     keep: Mapping[str, Any] | None = None
+    digest: str | None = field(default=None, compare=False)  # derived from the fields above
+    input_key: str | None = field(default=None, compare=False)
 
     @property
     def ok(self) -> bool:

@@ -17,7 +17,7 @@ from .config import JobConfig, job_to_dict
 from .export import write_results
 from .fingerprint import check_fingerprint, check_workers
 from .io.checks import check_columns
-from .io.outputs import cleanup_temp, drop_superseded, read_done
+from .io.outputs import cleanup_temp, drop_superseded, read_written
 from .io.reader import iter_requests
 from .io.schema import completion_row
 from .io.shards import assign, count_rows, file_format, list_shards, resolve_workers, worker_sources
@@ -107,7 +107,7 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
                 retry_errors: bool = False) -> RunResult:
     cleanup_temp(out, worker=worker)
     # unreadable parts are moved aside (their rows redone); rows a retried row replaced are dropped
-    done_sources, _ = read_done(out, retry_errors=retry_errors, tidy=True)
+    done = read_written(out, retry_errors=retry_errors, tidy=True)
     run_id = make_run_id()
     stats = RunStats()
     engine = engine or build_engine(job, stats)
@@ -116,17 +116,21 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
     stats.restart_clock()  # throughput excludes model load
     stop = stop or StopFlag()
     skipped = 0  # rows of this worker's input already written by an earlier run
+    replaced = 0  # rows written this run for an id whose older row was made from other input
 
-    def count_skip(_req: Request) -> None:
-        nonlocal skipped
+    def count_skip(req: Request) -> None:
+        nonlocal skipped, done_mine
         skipped += 1
         if not upfront:
+            bar.update(1)
+        elif req.source not in done.sources:  # done, but written when it was read from elsewhere
+            done_mine += 1
             bar.update(1)
 
     requests = iter_requests(
         shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
         messages_column=job.input.messages_column, shard_index=shard_index, num_shards=num_shards,
-        done_sources=done_sources, limit=limit, on_skip=count_skip, max_line_bytes=job.input.max_line_bytes,
+        is_done=done, limit=limit, on_skip=count_skip, max_line_bytes=job.input.max_line_bytes,
         params_column=job.input.params_column, fmt=job.input.format,
         keep_columns=job.output.keep_columns,
     )
@@ -134,7 +138,7 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
                           flush_interval_s=job.output.flush_interval_s)
     stats_writer = StatsWriter(out, worker=worker, run_id=run_id)
     # this worker's rows, and how many of them earlier runs wrote (not the other workers' rows)
-    total, done_mine = worker_rows(shards, shard_index, num_shards, done_sources, job.input.max_line_bytes)
+    total, done_mine = worker_rows(shards, shard_index, num_shards, done.sources, job.input.max_line_bytes)
     if limit is not None:
         total = limit if total is None else min(total, limit)
     upfront = done_mine is not None and limit is None  # else the bar counts skipped rows as they are passed
@@ -146,10 +150,15 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
     last_interval = [time.monotonic()]
     emitted = [0]
 
-    def emit(done: Completion) -> None:
-        writer.add(completion_row(done, model=job.target.model, prefix=job.output.column_prefix))
+    def emit(completion: Completion) -> None:
+        nonlocal replaced, done_mine
+        writer.add(completion_row(completion, model=job.target.model, prefix=job.output.column_prefix))
+        replaced += done.replaces(completion.request)
         emitted[0] += 1
-        bar.update(1)
+        if upfront and completion.request.source in done.sources:  # counted done, but its input changed
+            done_mine -= 1
+        else:
+            bar.update(1)
 
     def after_step() -> None:
         writer.maybe_flush()
@@ -175,8 +184,11 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
         stats_writer.add({**stats.interval_record(), "wall_time": time.time()})
         stats_writer.close()
         bar.close()
-    if retry_errors:
-        drop_superseded(out)  # the error rows this run's rows replaced
+    if retry_errors or replaced:
+        drop_superseded(out)  # the rows this run's rows replaced
+    if replaced:
+        _log(f"spin-batch: worker {worker_text}: {replaced} rows redone because their input changed under the "
+             "same id; each replaced its older row")
     summary = {
         "run_id": run_id,
         "job": job_to_dict(job),
@@ -184,6 +196,7 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
         "num_shards": num_shards,
         "model_load_s": engine.load_time_s,
         "rows_skipped_as_done": skipped,
+        "rows_replaced": replaced,
         "finished": stop.signum is None,
         **stats.summary(),
         "drafter_stats": {n: d.stats() for n, d in engine.loop.drafters.items() if d.stats()},

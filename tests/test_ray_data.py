@@ -108,9 +108,9 @@ def test_a_clashing_input_column_comes_back_with_the_prefix(tiny_dir):
     """The rule of `spin-batch run`'s path: our columns keep their names, the input's get the prefix."""
     pred = SpinBatchPredictor(prepare_job(job_mapping(tiny_dir)))
     out = pred(pa.Table.from_pylist([{"id": "a", "prompt": "hi", "text": "already here", "input_text": "me too"}]))
-    assert out.column_names[:4] == ["id", "prompt", "input_input_text", "input_text"]
+    assert out.column_names[:4] == ["id", "prompt", "input_text", "input_input_text"]
     row = out.to_pylist()[0]
-    assert row["input_input_text"] == "already here" and row["input_text"] == "me too"
+    assert row["input_text"] == "already here" and row["input_input_text"] == "me too"
     assert row["status"] == "ok" and row["text"] != "already here"
     pred = SpinBatchPredictor(prepare_job({**job_mapping(tiny_dir), "output": {"column_prefix": "src."}}))
     assert pred(pa.Table.from_pylist([{"id": "a", "prompt": "hi", "status": 1}])).column_names[:3] == \

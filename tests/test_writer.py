@@ -207,18 +207,22 @@ def test_read_done_moves_unreadable_parts_aside(tmp_path: Path) -> None:
     assert read_outputs(tmp_path)["id"].to_list() == ["r2", "r3"]
 
 
-def test_readers_leave_out_unreadable_parts_and_say_so(tmp_path: Path) -> None:
+def test_output_readers_name_an_unreadable_part_and_stats_readers_leave_it_out(tmp_path: Path) -> None:
+    """An output part that does not read whole fails the reader, named (its rows are never left out
+    silently); a stats part is left out with a line."""
     with OutputWriter(tmp_path, rows_per_part=1) as out:
         out.add(ok_row(0))
         out.add(ok_row(1))
-    part_files(tmp_path)[0].write_bytes(b"garbage")
+    bad = part_files(tmp_path)[0]
+    bad.write_bytes(b"garbage")
     with StatsWriter(tmp_path) as stats:
         stats.add({"x": 1.0})
     (tmp_path / "stats" / "stats-w0000-zz-00000.parquet").write_bytes(b"")
     said: list[str] = []
-    assert read_outputs(tmp_path, warn=said.append)["id"].to_list() == ["r1"]
+    with pytest.raises(OutputError, match=f"{bad} cannot be read .*run the job again"):
+        read_outputs(tmp_path)
     assert read_stats(tmp_path, warn=said.append)["x"].to_list() == [1.0]
-    assert len(said) == 2 and all("cannot be read" in m and "left out" in m for m in said), said
+    assert len(said) == 1 and "cannot be read" in said[0] and "left out" in said[0], said
     assert len(part_files(tmp_path)) == 2  # readers move nothing
 
 
@@ -316,8 +320,10 @@ def test_kept_columns_come_back_and_a_clash_gets_the_prefix() -> None:
     done = Completion(request(0, keep=keep), "generated", "stop", 2, 1)
     row = completion_row(done)
     assert row["text"] == "generated"  # ours keeps its name
-    assert {k: row[k] for k in keep if k != "text"} == {"label": 3, "input_text": "taken too", "meta": {"a": 1}}
-    assert row["input_input_text"] == "the input's text"  # input_ was taken: the prefix again
+    assert {k: row[k] for k in ("label", "meta")} == {"label": 3, "meta": {"a": 1}}
+    # text -> input_text, and an input column already called input_text -> input_input_text, whichever
+    # columns the row has (one name per input column across the job's rows)
+    assert row["input_text"] == "the input's text" and row["input_input_text"] == "taken too"
     assert set(row) - set(OUTPUT_SCHEMA.names) == {"label", "input_text", "input_input_text", "meta"}
     named = completion_row(Completion(request(1, keep={"text": "t", "absent": None}), "g", "stop", 2, 1), prefix="in.")
     assert set(named) - set(OUTPUT_SCHEMA.names) == {"in.text", "absent"}

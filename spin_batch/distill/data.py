@@ -94,15 +94,19 @@ def sequences(job, out_dir: Path, tokenizer, encode, eos_id: int | None) -> tupl
     """(prompt + completion ids, prompt length, kind) for every ok output row of the job."""
     shards = list_shards(job.input.paths, job.input.format)
     outputs = read_outputs(out_dir)
-    done = {s: (t, f) for s, t, f, st in zip(outputs["source"], outputs["text"], outputs["finish_reason"],
-                                            outputs["status"]) if st == "ok"}
+    # a row's output by its id and digest (io/identity.py), wherever it was read; by source where older
+    # parts have no digest
+    done = {(s if d is None else (i, d)): (t, f) for i, s, d, t, f, st in zip(
+        outputs["id"], outputs["source"], outputs["input_digest"], outputs["text"], outputs["finish_reason"],
+        outputs["status"]) if st == "ok"}
     kinds = kinds_by_id(shards)
     seqs, plens, ks = [], [], []
     for req in iter_requests(shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
                              messages_column=job.input.messages_column):
-        if not req.ok or req.source not in done:
+        found = done.get((req.id, req.digest)) or done.get(req.source)
+        if not req.ok or found is None:
             continue
-        text, finish = done[req.source]
+        text, finish = found
         prompt = encode(req)
         completion = tokenizer.encode(text or "", add_special_tokens=False)
         if finish == "stop" and eos_id is not None:

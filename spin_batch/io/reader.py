@@ -10,13 +10,15 @@ With format "auto" a file is read as OpenAI batch when its first JSON object lin
 is not UTF-8, not JSON or not an object, or is longer than ``max_line_bytes``, becomes an error
 row; a blank line gives no row.
 
-An ok row whose id was seen before becomes a "duplicate id" error row.
+An ok row whose id was seen before becomes a "duplicate id" error row. Each row gets its identity
+(its resume key, io/identity.py) as it is read: a rerun skips the rows an earlier run wrote by it.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
@@ -27,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..records import Request
+from .identity import duplicate_message, line_digest
 from .openai_request import openai_row
 from .rows import (BadRow, NotUtf8, Row, Spec, bad_row, build_row, column_problems, row_spec,
                    type_name)
@@ -65,7 +68,7 @@ def _jsonl_row(source: str, raw: bytes, first_line: bool, spec: Spec, openai: bo
     try:
         obj = _line_object(raw, first_line)
     except BadRow as bad:
-        return bad_row(source, bad.kind, bad.message)
+        return bad_row(source, bad.kind, bad.message, line_digest(raw))
     return openai_row(source, obj, spec) if openai else build_row(source, obj, spec)
 
 
@@ -105,7 +108,8 @@ def _iter_jsonl(path: Path, spec: Spec, max_line_bytes: int = DEFAULT_MAX_LINE_B
                 continue
             if isinstance(raw, int):
                 yield bad_row(f"{path}#{lineno}", "line too long",
-                              f"line is {raw} bytes, more than input.max_line_bytes ({max_line_bytes}); not read")
+                              f"line is {raw} bytes, more than input.max_line_bytes ({max_line_bytes}); not read",
+                              line_digest(raw))
             else:
                 yield _jsonl_row(f"{path}#{lineno}", raw, lineno == 0, spec, openai)
 
@@ -192,12 +196,33 @@ def _iter_worker_rows(
         yield from iter_shard(path, spec, batch_rows, max_line_bytes, wanted)
 
 
+class _Keys:
+    """Gives each of a worker's rows its identity (io/identity.py): the first row with an id is keyed
+    by it; a row with no id, or with an id an earlier row has, by its place (``input_key``: how many
+    rows with its id and digest came before; for a row with no id, also the worker where the input
+    is split)."""
+
+    def __init__(self, shard_index: int, num_shards: int) -> None:
+        self.ids: set[str] = set()
+        self.copies: Counter[tuple[str | None, str | None]] = Counter()
+        self.tag = "" if num_shards == 1 else f"/w{shard_index:04d}"
+
+    def __call__(self, request: Request) -> Request:
+        copy = (request.id, request.digest)
+        n = self.copies[copy]  # 0 for the first row with an id
+        self.copies[copy] += 1
+        if request.id is not None and request.id not in self.ids:
+            self.ids.add(request.id)
+            return request
+        return replace(request, input_key=f"{n}{self.tag if request.id is None else ''}")
+
+
 def _mark_duplicate(request: Request, seen_ids: set[str]) -> Request:
     """Record an ok request's id; a repeated id turns the request into an error."""
     if not request.ok:
         return request
     if request.id in seen_ids:
-        return replace(request, prompt=None, messages=None, error=f"duplicate id {request.id!r}")
+        return replace(request, prompt=None, messages=None, error=duplicate_message(request.id))
     seen_ids.add(request.id)
     return request
 
@@ -244,6 +269,7 @@ def iter_requests(
     shard_index: int = 0,
     num_shards: int = 1,
     done_sources: AbstractSet[str] = frozenset(),
+    is_done: Callable[[Request], bool] | None = None,
     seen_ids: set[str] | None = None,
     limit: int | None = None,
     batch_rows: int = 1024,
@@ -276,6 +302,8 @@ def iter_requests(
         done_sources: sources already written by an earlier run; these rows are
             skipped. Their ids (when the row is valid) still count as seen, so
             duplicate detection gives the same result as in the first run.
+        is_done: whether an earlier run wrote this row (by its key and digest,
+            io/identity.py; the request has its ``input_key`` set): skipped too.
         seen_ids: ids already used; updated in place with every yielded ok id.
             A later row with a seen id becomes a "duplicate id 'x'" error.
         limit: stop after this many of this worker's rows have been considered,
@@ -297,10 +325,11 @@ def iter_requests(
     if limit == 0:
         return
     considered = 0
+    keys = _Keys(shard_index, num_shards)
     for row in _iter_worker_rows(files, spec, batch_rows, shard_index, row_modulo, max_line_bytes):
         considered += 1
-        request = row.request
-        if request.source in done_sources:
+        request = keys(row.request)
+        if request.source in done_sources or (is_done is not None and is_done(request)):
             if request.ok:
                 seen.add(request.id)
             if on_skip is not None:

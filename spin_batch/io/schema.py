@@ -50,6 +50,10 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("endpoint", pa.string(), nullable=True),
         pa.field("model", pa.string(), nullable=True),
         pa.field("created", pa.int64(), nullable=True),
+        # the row's resume key beside its id (io/identity.py): a digest of what decides its text, and
+        # for a row with no usable id or a repeated one, which such row it is
+        pa.field("input_digest", pa.string(), nullable=True),
+        pa.field("input_key", pa.string(), nullable=True),
     ]
 )
 
@@ -108,7 +112,7 @@ def _check_strings(row: Mapping[str, Any]) -> None:
         raise OutputError(f"output column 'finish_reason' must be stop/length/error/None, got {row['finish_reason']!r}")
     if row["endpoint"] not in _ENDPOINTS:
         raise OutputError(f"output column 'endpoint' must be chat/completion/None, got {row['endpoint']!r}")
-    for name in ("id", "text", "error", "model"):
+    for name in ("id", "text", "error", "model", "input_digest", "input_key"):
         if row[name] is not None and not isinstance(row[name], str):
             raise OutputError(f"output column {name!r} must be a string or None, got {row[name]!r}")
 
@@ -169,6 +173,8 @@ def error_row(source: str, id: str | None, message: str, prompt_tokens: int = 0)
         "endpoint": None,
         "model": None,
         "created": None,
+        "input_digest": None,
+        "input_key": None,
     }
 
 
@@ -180,13 +186,15 @@ def completion_row(c: Completion, *, model: str | None = None, prefix: str = "in
 
     ``endpoint`` is the request's OpenAI endpoint, else "chat" for a row with messages and
     "completion" for a prompt; ``model`` the request's own, else ``model`` (the job's target);
-    ``created`` now, in Unix seconds, unless given.
+    ``created`` now, in Unix seconds, unless given; ``input_digest`` and ``input_key`` the request's
+    identity (io/identity.py).
     """
     req = c.request
     row = _answer(c) if c.error is None else error_row(req.source, req.id, c.error, c.prompt_tokens)
     row["endpoint"] = req.endpoint or ("chat" if req.messages is not None else "completion")
     row["model"] = req.model or model
     row["created"] = int(time.time()) if created is None else created
+    row["input_digest"], row["input_key"] = req.digest, req.input_key
     row.update(columns.kept_values(req.keep, prefix, OUTPUT_SCHEMA.names))
     return row
 

@@ -4,8 +4,9 @@ Input shards are JSONL files (one JSON object per line) or Parquet files. :func:
 resolves files, glob patterns and directories into a sorted list of absolute paths; a file's
 format comes from its suffix, and ``input.format`` may restrict it.
 
-Each row has a ``source`` key, ``"<absolute shard path>#<row index>"``, which stays the same
-across reruns and is used to resume an interrupted job. A JSONL row's index is its 0-based line
+Each row has a ``source``, ``"<absolute shard path>#<row index>"``, saying where it was read (a
+resume finds a row's output by its id and content instead, io/identity.py, so a moved or renamed
+shard keeps its rows done). A JSONL row's index is its 0-based line
 number: blank lines (empty or only whitespace) give no row but still count in the line numbers,
 so a row's source names its real line. A JSONL line longer than ``max_line_bytes``
 (``input.max_line_bytes``) is never held whole: it is skipped in chunks (the reader makes it an
@@ -314,8 +315,10 @@ def assign(shards: list[Path], shard_index: int, num_shards: int) -> tuple[list[
     first 64 KiB of a JSONL file), rows are dealt: the worker reads all files
     and keeps the rows whose running row number satisfies
     ``row % num_shards == shard_index`` (the returned modulo is ``num_shards``),
-    so workers' row counts differ by at most one. Either way a row's source
-    (its resume key) is the same, and every worker decides alike.
+    so workers' row counts differ by at most one. Every worker decides alike.
+    Files keep their order when their folder moves, so each row keeps its
+    worker; a rename that reorders them may hand a row to another worker,
+    which finds it done (resume reads every worker's parts).
 
     Raises:
         InputError: ``shard_index`` is not in ``[0, num_shards)``.

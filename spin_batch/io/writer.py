@@ -106,7 +106,9 @@ def write_atomic(final: Path, write: Callable[[Any], None]) -> None:
 
 
 def write_parquet_atomic(final: Path, table: pa.Table) -> None:
-    write_atomic(final, lambda handle: pq.write_table(table, handle))
+    """Write a Parquet file atomically, with page checksums (readers verify them: a flipped byte is
+    found, not read as other data)."""
+    write_atomic(final, lambda handle: pq.write_table(table, handle, write_page_checksum=True))
 
 
 # --------------------------------------------------------------------------

@@ -264,21 +264,41 @@ def load_transformers(model_dir: Path, dtype: str, device: str | torch.device, e
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken", "spiece.model", "vocab.txt")
+PROBE_TEXT = "Hello, world. 1 + 2 = 3"  # a tokenizer that encodes this to no ids has no vocabulary
 
 
-def load_tokenizer(model_dir: Path):
-    """The folder's tokenizer. Raises TokenizerError (one line, naming the folder) where it has none or it
-    does not load."""
+def _no_tokenizer_files(model_dir: Path) -> TokenizerError:
+    return TokenizerError(f"{model_dir}: no tokenizer files (tokenizer.json, tokenizer.model, or vocab.json and "
+                          "merges.txt): copy the model's tokenizer files into the folder")
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
+    """The folder's tokenizer, loaded with the job's trust_remote_code (transformers never asks on a terminal
+    whether to run code the folder ships), checked on a probe text. Raises TokenizerError (one line, naming
+    the folder) where it has none, it does not load, or it encodes the probe to no ids (transformers builds
+    an empty tokenizer for some model types whose folder has no tokenizer files)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code,
+                                                  local_files_only=True)
     except Exception as e:  # transformers raises ValueError, OSError, ImportError... for a missing or broken one
         if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
-            raise TokenizerError(f"{model_dir}: no tokenizer files (tokenizer.json, tokenizer.model, or vocab.json "
-                                 "and merges.txt): copy the model's tokenizer files into the folder") from None
+            raise _no_tokenizer_files(model_dir) from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if not trust_remote_code and "custom code" in str(e):
+            first += "; it runs only with trust_remote_code: true"
         raise TokenizerError(f"{model_dir}: its tokenizer does not load ({first})") from None
+    try:
+        probe = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+    except Exception as e:  # noqa: BLE001  a tokenizer that cannot encode plain text cannot run a job
+        raise TokenizerError(f"{model_dir}: its tokenizer cannot encode text ({type(e).__name__}: {e})") from None
+    if not probe:
+        if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+            raise _no_tokenizer_files(model_dir)
+        raise TokenizerError(f"{model_dir}: its tokenizer encodes {PROBE_TEXT!r} to no tokens (an empty "
+                             "vocabulary); copy the model's tokenizer files into the folder")
+    return tokenizer
 
 
 # -- the embedded model ------------------------------------------------------------------
@@ -331,8 +351,9 @@ def _convert_gguf(pkg_dir: Path, gguf_file: str, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(pkg_dir), gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(str(pkg_dir), gguf_file=gguf_file, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(pkg_dir), gguf_file=gguf_file, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(str(pkg_dir), gguf_file=gguf_file, dtype=torch.float32,
+                                                 trust_remote_code=False)
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     cfg["torch_dtype"] = "float32"
