@@ -10,10 +10,15 @@ from .config import ConfigError, load_job
 
 
 def _load(job_path: str, overrides: tuple[str, ...]):
+    """The job file with its overrides; batch.max_model_len left at its default is fitted to the target's
+    position limit (preflight.fit_context)."""
     try:
-        return load_job(job_path, overrides)
+        job = load_job(job_path, overrides)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
+    from .preflight import fit_context
+
+    return fit_context(job)
 
 
 DEFAULT_SIZES = "1x128:1024,1x192:2048,1x384:4096"  # the shipped family for the embedded model

@@ -125,6 +125,26 @@ def check_models(job: JobConfig) -> list[str]:
     return problems
 
 
+def fit_context(job: JobConfig) -> JobConfig:
+    """The job with batch.max_model_len lowered to the target's position limit where the job left it at
+    its default and the model takes fewer positions (vLLM, too, takes the model's own length unless
+    told). A value the job sets past the limit stays, for context_problems to refuse."""
+    from dataclasses import replace
+
+    from .config.sections import BatchConfig
+
+    if job.batch.max_model_len != BatchConfig.max_model_len:
+        return job
+    try:
+        cfg = read_config_json(loader.resolve_model_dir(job.target.model))
+    except Exception:  # check_models names a missing or unreadable model folder
+        return job
+    limit = capacity.position_limit(cfg) if isinstance(cfg, dict) else None
+    if limit is None or limit[0] >= job.batch.max_model_len:
+        return job
+    return replace(job, batch=replace(job.batch, max_model_len=limit[0]))
+
+
 def context_problems(job: JobConfig, model_dir: Path, device: torch.device | None) -> list[str]:
     """batch.max_model_len against a model folder's config.json (models/capacity.py): no more positions than
     the model takes, and on ``device`` (None: not checked) a KV cache for batch.slots that fits in memory

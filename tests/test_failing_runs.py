@@ -12,6 +12,7 @@ import json
 import shutil
 
 import pytest
+import yaml
 
 from conftest import write_jsonl
 from test_cli_e2e import _isolate_process_state  # noqa: F401 (autouse: signal handlers, SLURM_*, threads)
@@ -161,6 +162,23 @@ def test_a_max_model_len_past_the_models_positions_is_a_job_error(tmp_path, tiny
                 "(max_position_embeddings in ") in result.output, _describe(result)
         assert "set batch.max_model_len to 512 or less" in result.output
     assert not (out / "outputs").exists()
+
+
+def test_a_max_model_len_left_at_its_default_is_fitted_to_a_smaller_model(tmp_path, tiny_dir):
+    from spin_batch.config import load_job
+    from spin_batch.preflight import fit_context
+
+    src = write_jsonl(tmp_path / "in" / "p.jsonl", prompt_rows(2))
+    job, out = make_job(tmp_path, tiny_dir, [src])
+    spec = yaml.safe_load(job.read_text())
+    del spec["batch"]["max_model_len"]
+    job.write_text(yaml.safe_dump(spec))
+    loaded = load_job(str(job), ())
+    assert loaded.batch.max_model_len == 1024  # the job default, past the tiny model's 512 positions
+    assert fit_context(loaded).batch.max_model_len == 512
+    result = invoke("run", job)
+    assert result.exit_code == 0, _describe(result)
+    assert fit_context(load_job(str(job), ("batch.max_model_len=300",))).batch.max_model_len == 300
 
 
 def test_a_kv_cache_larger_than_free_memory_is_a_job_error(tmp_path, tiny_dir, monkeypatch):
