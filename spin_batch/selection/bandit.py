@@ -55,7 +55,11 @@ so a step shortens the job only by the progress of its slowest slot: the drain v
 choice at n times the least expected gain among its n slots instead of the sum of their gains
 (JointChoice.drain_value), and the step drafts nothing unless that beats plain decoding. A step
 that leaves any slot undrafted thus gains the job nothing and only pays for its drafts;
-speculation goes on where every slot's draft pays, as in the last few requests of a job.
+speculation goes on where every slot's draft pays, as in the last few requests of a job. The drain
+limits the joint choice, not exploration: first trials and probes run in it too. It chooses among
+drafters the cost model has priced, so one never tried could never be chosen there, and a job with
+fewer rows than slots, all drain from its first step, drafted nothing at all (3 rows at 4 slots, 8 at
+16). A step that probes reaches no verdict against drafting and ends any standing one: it learns.
 
 The design is explained in docs/selection.md; the measurements behind it are in BENCHMARKS.md.
 """
