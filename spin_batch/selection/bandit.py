@@ -55,7 +55,11 @@ so a step shortens the job only by the progress of its slowest slot: the drain v
 choice at n times the least expected gain among its n slots instead of the sum of their gains
 (JointChoice.drain_value), and the step drafts nothing unless that beats plain decoding. A step
 that leaves any slot undrafted thus gains the job nothing and only pays for its drafts;
-speculation goes on where every slot's draft pays, as in the last few requests of a job.
+speculation goes on where every slot's draft pays, as in the last few requests of a job. The drain
+limits the joint choice, not exploration: first trials and probes run in it too. It chooses among
+drafters the cost model has priced, so one never tried could never be chosen there, and a job with
+fewer rows than slots, all drain from its first step, drafted nothing at all (3 rows at 4 slots, 8 at
+16). A step that probes reaches no verdict against drafting and ends any standing one: it learns.
 
 The design is explained in docs/selection.md; the measurements behind it are in BENCHMARKS.md.
 """
@@ -299,12 +303,11 @@ class BanditPolicy(Policy):
             self._tree_step = (len(slots), mode, mode == trees_first)
         # a drafter whose cost is still unknown is tried by one slot, with a short draft: trying
         # it on every slot at once could stall the whole batch behind an expensive drafter
-        # (not in the drain: a step that drafts for one slot only makes the job no shorter)
-        unmeasured = [] if self.draining else [d for d in self.drafters if not self.cost.measured(d)]
-        # then one slot a step drafts with it to the slot's cap until the pool knows it (see Probing above)
-        probing = [] if self.draining else [d for d in self.drafters if self.cost.measured(d)
-                                            and self.pulls[d] < PROBE_PULLS
-                                            and self._could_pay(d, len(slots), max(caps, default=0), verify_price, lam)]
+        unmeasured = [d for d in self.drafters if not self.cost.measured(d)]
+        # then one slot a step drafts with it to the slot's cap until the pool knows it (see Probing above).
+        # In the drain too (see Drain above): the drain chooses among what is priced and known, never these
+        probing = [d for d in self.drafters if self.cost.measured(d) and self.pulls[d] < PROBE_PULLS
+                   and self._could_pay(d, len(slots), max(caps, default=0), verify_price, lam)]
         explore = not self.draining and slots and self.rng.random() < self.gamma_exploration
         explorer = self.rng.randrange(len(slots)) if explore else -1
         out: list[Choice] = [NO_SPEC] * len(slots)
@@ -325,7 +328,8 @@ class BanditPolicy(Policy):
                 out[i] = Choice(d, cap, nodes=self._nodes(d))
             elif cap > 0 and self.cost.goodput.seen:
                 open_.append((i, req, cap))
-        for i, choice in self._drained(slots, open_, verify_price, lam).items():
+        trials = any(c.drafter is not None for c in out)  # first trials or probes: something is learnt this step
+        for i, choice in self._drained(slots, open_, verify_price, lam, trials).items():
             out[i] = choice
         cap = next((cap for i, _, cap in open_ if i == explorer), 0)
         if cap:
@@ -352,16 +356,19 @@ class BanditPolicy(Policy):
         return best_gamma(0.999, verify_price, lam * (s + f / max(n, 1)), spend)[1] > 0
 
     def _drained(self, slots: list[int], open_: list[tuple[int, RequestArms, int]], verify_price: float,
-                 lam: float) -> dict[int, Choice]:
-        """_joint, but in the drain a verdict against drafting is kept for DRAIN_RECHECK steps unless a slot left."""
+                 lam: float, trials: bool = False) -> dict[int, Choice]:
+        """_joint, but in the drain a verdict against drafting is kept for DRAIN_RECHECK steps unless a slot left.
+        trials: first trials or probes run this step, so something is learnt: no verdict is kept or reached."""
         if not self.draining:
             return self._joint(open_, len(slots), verify_price, lam)
         key = frozenset(slots)
-        if self._drain_no is not None and self._drain_no[0] == key and self._drain_no[1] < DRAIN_RECHECK:
+        if trials:
+            self._drain_no = None
+        elif self._drain_no is not None and self._drain_no[0] == key and self._drain_no[1] < DRAIN_RECHECK:
             self._drain_no = (key, self._drain_no[1] + 1)
             return {}
         out = self._joint(open_, len(slots), verify_price, lam)
-        self._drain_no = None if out else (key, 0)
+        self._drain_no = None if out or trials else (key, 0)
         return out
 
     def _joint(self, open_: list[tuple[int, RequestArms, int]], n: int, verify_price: float,
