@@ -5,8 +5,13 @@ those inside functions too; spin_batch and the kernels (kernels/spin_kernels, im
 from __future__ import annotations
 
 import ast
+import hashlib
 import re
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"spin_batch": ROOT / "spin_batch", "spin_kernels": ROOT / "kernels" / "spin_kernels"}
@@ -189,3 +194,28 @@ def test_the_leak_finder_finds_one():
 def test_the_docs_table_is_this_table():
     rows = docs_table(ARCHITECTURE.read_text())
     assert {units: sorted(may) for units, may in rows} == {units: sorted(may) for units, may in TABLE}
+
+
+def tracked_files() -> list[Path]:
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    res = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True)
+    if res.returncode != 0:
+        pytest.skip("not a git checkout")
+    return [ROOT / name for name in res.stdout.decode().split("\0") if name]
+
+
+def test_no_wheel_and_no_large_file_twice_is_tracked():
+    """Binaries stay out (*.whl), and a large file is tracked once: the shipped drafts run with their target's
+    tokenizer instead of a copy each."""
+    files = [f for f in tracked_files() if f.is_file()]
+    assert [f.name for f in files if f.suffix == ".whl"] == []
+    seen: dict[str, Path] = {}
+    twice = []
+    for f in files:
+        if f.stat().st_size > 64 * 1024:
+            digest = hashlib.sha256(f.read_bytes()).hexdigest()
+            if digest in seen:
+                twice.append(f"{seen[digest].relative_to(ROOT)} = {f.relative_to(ROOT)}")
+            seen.setdefault(digest, f)
+    assert twice == []
