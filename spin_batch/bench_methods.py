@@ -83,12 +83,14 @@ def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots:
 class HFGenerate:
     """transformers' generate with left padding, in static batches of `slots` prompts."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, trust_remote_code: bool = False):
         import torch
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=engine.target.dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=engine.target.dtype,
+                                                          trust_remote_code=trust_remote_code,
+                                                          local_files_only=True).eval()
         self.tok = engine.tokenizer
         self.eos = sorted(engine.loop.cfg.eos_token_ids)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos[0]

@@ -10,10 +10,15 @@ from .config import ConfigError, load_job
 
 
 def _load(job_path: str, overrides: tuple[str, ...]):
+    """The job file with its overrides; batch.max_model_len left at its default is fitted to the target's
+    position limit (preflight.fit_context)."""
     try:
-        return load_job(job_path, overrides)
+        job = load_job(job_path, overrides)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
+    from .preflight import fit_context
+
+    return fit_context(job)
 
 
 DEFAULT_SIZES = "1x128:1024,1x192:2048,1x384:4096"  # the shipped family for the embedded model
@@ -36,7 +41,9 @@ def main() -> None:
 @click.option("--shard-index", type=int, default=None,
               help="This worker's index (default: SLURM_ARRAY_TASK_ID, else 0).")
 @click.option("--num-shards", type=int, default=None,
-              help="Number of workers (default: SLURM_ARRAY_TASK_COUNT, else 1).")
+              help="Number of workers (default: SLURM_ARRAY_TASK_COUNT, else 1). Give it under Slurm, so that "
+                   "`sbatch --array=2` redoes worker 2 of N; it must match OUTPUT_DIR/workers.json, which the "
+                   "folder's first run wrote.")
 @click.option("--limit", type=int, default=None, help="Process only the first N rows of this worker's input.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (for logs).")
 @click.option("--retry-errors", is_flag=True,
@@ -45,7 +52,11 @@ def main() -> None:
 @click.option("--allow-changed-job", is_flag=True,
               help="Resume even though settings that change a row's text (model, dtype, sampling, columns, "
                    "chat template) differ from those OUTPUT_DIR/job-fingerprint.json recorded.")
-def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job):
+@click.option("--max-error-rate", type=click.FloatRange(0, 1), default=None, metavar="F",
+              help="Exit 65 when more than this fraction of this run's rows are error rows (0: any error row; "
+                   "1: never). Default: only when every row of this run is an error row.")
+def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job,
+        max_error_rate):
     """Run a job: decode every prompt and write outputs, stats and summary.json.
 
     \b
@@ -68,6 +79,9 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_
       0           every row was written (error rows included)
       1           bad job or flags (found before any model loads), or an
                   input file that cannot be read
+      65          every row was written, but error rows are more than
+                  --max-error-rate of this run's rows (default: all of
+                  them) (EX_DATAERR)
       75          another run of this job and worker holds the lock
                   (EX_TEMPFAIL: try later)
       128+signal  stopped by SIGTERM (143) or SIGINT (130) after finishing
@@ -75,14 +89,16 @@ def run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_
                   once. Rerun the same command to resume.
     """
     try:
-        _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job)
+        _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job,
+             max_error_rate)
     except KeyboardInterrupt:  # Ctrl-C before the loop ran, or a second one: not a bad job (click says 1)
         click.echo("\nspin-batch: interrupted; rows already written are kept, rerun the same command to resume",
                    err=True)
         sys.exit(130)
 
 
-def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job):
+def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry_errors, allow_changed_job,
+         max_error_rate=None):
     from .io.shards import InputError
     from .io.schema import OutputError
     from .models.cpu_decoder import CpuDecoderUnavailable
@@ -115,6 +131,12 @@ def _run(job_path, overrides, shard_index, num_shards, limit, no_progress, retry
     )
     if result.stopped_by is not None:
         sys.exit(128 + result.stopped_by)
+    from .outcome import EXIT_ERROR_ROWS, error_rate_failure
+
+    failed = error_rate_failure(s, job.output.dir, max_error_rate)
+    if failed:
+        click.echo(f"Error: {failed}", err=True)
+        sys.exit(EXIT_ERROR_ROWS)
 
 
 @main.command()

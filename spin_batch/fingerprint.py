@@ -98,3 +98,53 @@ def check_fingerprint(out: Path, job: JobConfig, *, allow_changed: bool = False,
         return
     write_json_atomic(path, {"fingerprint": new, "previous": history,
                              "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+WORKERS_FILE = "workers.json"
+
+
+class WorkersChanged(ValueError):
+    """A worker's count of workers differs from the one the output folder's rows were dealt by."""
+
+
+def _recorded_workers(out: Path) -> int | None:
+    """The worker count ``out`` records (``workers.json``); for a folder from before that file, the count its
+    summaries agree on; None where neither says."""
+    try:
+        return int(json.loads((out / WORKERS_FILE).read_text())["num_shards"])
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    counts = set()
+    for path in out.glob("summary*.json"):
+        try:
+            counts.add(int(json.loads(path.read_text())["num_shards"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return counts.pop() if len(counts) == 1 else None
+
+
+def check_workers(out: Path, shard_index: int, num_shards: int) -> None:
+    """Record the number of workers in ``out`` on its first run (``OUT/workers.json``), or compare it with
+    the one recorded there while the folder holds rows.
+
+    Raises:
+        WorkersChanged: ``out`` holds rows dealt among another number of workers. Which rows a worker
+            takes follows from the count, so a worker with another count would take rows that the old
+            split's workers take too (``sbatch --array=2`` alone runs a one-task array: worker 0 of 1).
+    """
+    path = out / WORKERS_FILE
+    old = _recorded_workers(out)
+    if old == num_shards:
+        if not path.exists():
+            write_json_atomic(path, {"num_shards": num_shards})
+        return
+    if old is not None and any((out / OUTPUTS_DIR).glob("part-*.parquet")):
+        raise WorkersChanged(
+            f"{out} holds rows dealt among {old} worker(s), but this run is worker {shard_index} of {num_shards}. "
+            f"Pass --num-shards {old} and this worker's --shard-index (0 to {old - 1}); under Slurm, `sbatch "
+            f"--array=I` alone runs a one-task array, so give the count explicitly, as "
+            "examples/slurm/spin_batch_array.sbatch does. To split the rows left among "
+            f"{num_shards} worker(s) instead, first let every worker of the old split stop, then delete {path}")
+    write_json_atomic(path, {"num_shards": num_shards})

@@ -12,8 +12,9 @@ from .config import EarlyExitDrafterConfig, JobConfig, ModelDrafterConfig
 from .drafters.early_exit import check_layers
 from .io.checks import check_columns, check_input
 from .io.shards import InputError, list_shards
-from .models import loader
+from .models import capacity, loader
 from .models.distilled import check_pairing, draft_meta
+from .models.hf_arch import read_config_json
 from .models.spec import window_problem
 
 
@@ -41,7 +42,8 @@ def check_output(job: JobConfig) -> list[str]:
 def check_models(job: JobConfig) -> list[str]:
     """Model-level problems of a job, without loading weights: the device, missing or unreadable model
     folders, checkpoints whose tensors do not fit their config.json (safetensors headers only), missing
-    tokenizers, a context past a sliding window, early-exit depth, tokenizer mismatch, draft pairing."""
+    or empty tokenizers, a context past the model's positions, its sliding window or the memory its KV
+    cache needs, early-exit depth, tokenizer mismatch, draft pairing."""
     try:
         device = loader.resolve_device(job.target.device)
     except RuntimeError as e:
@@ -59,6 +61,7 @@ def check_models(job: JobConfig) -> list[str]:
     if draft_meta(target_dir) is not None:
         return [f"target.model: {job.target.model} is a distilled draft; it runs only as a `kind: model` drafter "
                 "next to the target it was distilled for"]
+    problems += context_problems(job, target_dir, device)
     backend = loader.resolve_backend(target.backend, target_dir)
     if backend == loader.TRANSFORMERS and target.kernels == "c":
         problems.append("target.kernels: c is the native decoder's C path; the transformers backend runs "
@@ -70,7 +73,7 @@ def check_models(job: JobConfig) -> list[str]:
             problems.append(f"target.model: {window}; set batch.max_model_len to {spec.sliding_window} or less, "
                             "or target.backend: transformers")
     try:
-        target_vocab = loader.load_tokenizer(target_dir).get_vocab()
+        target_vocab = loader.load_tokenizer(target_dir, target.trust_remote_code).get_vocab()
     except loader.TokenizerError as e:
         problems.append(f"target.model: {e}")
         target_vocab = None
@@ -93,6 +96,8 @@ def check_models(job: JobConfig) -> list[str]:
                 problems.extend(f"drafters.{d.name}: {r}" for r in refs)
                 continue
             draft_dir = loader.resolve_model_dir(d.model)
+            if draft_meta(draft_dir) is None:  # a plain model: its own context limit (a draft's is its target's)
+                problems += [f"drafters.{d.name}: {p}" for p in context_problems(job, draft_dir, None)]
             if loader.resolve_backend(d.backend, draft_dir) == loader.NATIVE:
                 window = window_problem(loader.read_spec(draft_dir), job.batch.max_model_len)
                 if window:
@@ -103,7 +108,7 @@ def check_models(job: JobConfig) -> list[str]:
                 continue
             if draft_meta(draft_dir) is None:  # a plain model: its token ids must mean the target's tokens
                 try:
-                    draft_vocab = loader.load_tokenizer(draft_dir).get_vocab()
+                    draft_vocab = loader.load_tokenizer(draft_dir, d.trust_remote_code).get_vocab()
                 except loader.TokenizerError as e:
                     problems.append(f"drafters.{d.name}: {e} (needed to check it against the target's)")
                     continue
@@ -118,6 +123,42 @@ def check_models(job: JobConfig) -> list[str]:
             if why is not None:
                 problems.append(f"drafters.{d.name}: {why}")
     return problems
+
+
+def fit_context(job: JobConfig) -> JobConfig:
+    """The job with batch.max_model_len lowered to the target's position limit where the job left it at
+    its default and the model takes fewer positions (vLLM, too, takes the model's own length unless
+    told). A value the job sets past the limit stays, for context_problems to refuse."""
+    from dataclasses import replace
+
+    from .config.sections import BatchConfig
+
+    if job.batch.max_model_len != BatchConfig.max_model_len:
+        return job
+    try:
+        cfg = read_config_json(loader.resolve_model_dir(job.target.model))
+    except Exception:  # check_models names a missing or unreadable model folder
+        return job
+    limit = capacity.position_limit(cfg) if isinstance(cfg, dict) else None
+    if limit is None or limit[0] >= job.batch.max_model_len:
+        return job
+    return replace(job, batch=replace(job.batch, max_model_len=limit[0]))
+
+
+def context_problems(job: JobConfig, model_dir: Path, device: torch.device | None) -> list[str]:
+    """batch.max_model_len against a model folder's config.json (models/capacity.py): no more positions than
+    the model takes, and on ``device`` (None: not checked) a KV cache for batch.slots that fits in memory
+    beside the weights."""
+    try:
+        cfg = read_config_json(model_dir)
+    except (OSError, ValueError):  # check_model_ref reports an unreadable config.json
+        return []
+    if not isinstance(cfg, dict):
+        return []
+    free = capacity.available_memory(device) if device is not None else None
+    problem = capacity.context_problem(cfg, model_dir, job.batch.max_model_len, job.batch.slots,
+                                       loader.DTYPES[job.target.dtype], free)
+    return [f"batch.max_model_len: {problem}"] if problem else []
 
 
 def validate_job(job: JobConfig, check_models_too: bool = True) -> list[str]:

@@ -80,13 +80,13 @@ def _run_start(run_id: str) -> float | None:
         return None
 
 
-def timelines(stats) -> tuple[dict[str, tuple[list[float], list[float]]], str]:
-    """``({worker: (elapsed times, tokens/s)}, unit)``: each stats interval at its end time, counted from
-    the start of the earliest interval of any worker, in seconds or (past ten minutes) minutes; the runs
-    of one worker are one line with a gap (NaN) between them. An interval's time is its ``wall_time``,
-    or for stats written before there was one, its run's start (from the run id) plus its ``time_s``."""
+def _points(stats) -> tuple[dict[str, dict[str, list[tuple[float, float, dict]]]], float, str, float]:
+    """Each stats interval as ``(end time, length, record)`` by worker and run, and ``(t0, unit, scale)``: the
+    start of the earliest interval of any worker, and seconds or (past ten minutes) minutes. An interval's
+    time is its ``wall_time``, or for stats written before there was one, its run's start (from the run id)
+    plus its ``time_s``."""
     cols = stats.columns
-    points: dict[str, dict[str, list[tuple[float, float, float]]]] = defaultdict(lambda: defaultdict(list))
+    points: dict[str, dict[str, list[tuple[float, float, dict]]]] = defaultdict(lambda: defaultdict(list))
     for rec in stats.iter_rows(named=True):
         run_id = rec.get("run_id") or ""
         t = rec.get("wall_time") if "wall_time" in cols else None
@@ -94,12 +94,20 @@ def timelines(stats) -> tuple[dict[str, tuple[list[float], list[float]]], str]:
             start = _run_start(run_id)
             t = (start or 0.0) + float(rec.get("time_s") or 0.0)
         dt = float(rec.get("interval_s") or 0.0)
-        points[rec.get("worker") or "w0000"][run_id].append((float(t), dt, float(rec.get("tokens_per_s") or 0.0)))
+        points[rec.get("worker") or "w0000"][run_id].append((float(t), dt, rec))
     if not points:
-        return {}, "s"
+        return {}, 0.0, "s", 1.0
     t0 = min(t - dt for runs in points.values() for run in runs.values() for t, dt, _ in run)
     t1 = max(t for runs in points.values() for run in runs.values() for t, _, _ in run)
     unit, scale = ("min", 60.0) if t1 - t0 > 600 else ("s", 1.0)
+    return points, t0, unit, scale
+
+
+def timelines(stats) -> tuple[dict[str, tuple[list[float], list[float]]], str]:
+    """``({worker: (elapsed times, tokens/s)}, unit)``: each stats interval at its end time, counted from
+    the start of the earliest interval of any worker (:func:`_points`); the runs of one worker are one
+    line with a gap (NaN) between them."""
+    points, t0, unit, scale = _points(stats)
     lines = {}
     for worker in sorted(points):
         xs: list[float] = []
@@ -108,14 +116,41 @@ def timelines(stats) -> tuple[dict[str, tuple[list[float], list[float]]], str]:
             if xs:
                 xs.append(float("nan"))
                 ys.append(float("nan"))
-            for t, _, tps in sorted(run):
+            for t, _, rec in sorted(run, key=lambda p: p[0]):
                 xs.append((t - t0) / scale)
-                ys.append(tps)
+                ys.append(float(rec.get("tokens_per_s") or 0.0))
         lines[worker] = (xs, ys)
     return lines, unit
 
 
+def row_timelines(stats) -> tuple[dict[str, tuple[list[float], list[int], list[int]]], str]:
+    """``({worker: (elapsed times, rows written so far, error rows so far)}, unit)``, every run of a worker
+    counted on from the last; with more than one worker, ``"all"`` adds them up. Times as in
+    :func:`timelines`; a line starts at 0 rows at the first interval's start."""
+    points, t0, unit, scale = _points(stats)
+
+    def cumulative(items) -> tuple[list[float], list[int], list[int]]:
+        xs, done, errors = [], [], []
+        n = e = 0
+        for t, dt, rec in sorted(items, key=lambda p: p[0]):
+            if not xs:
+                xs, done, errors = [(t - dt - t0) / scale], [0], [0]
+            n += int(rec.get("rows_ok") or 0) + int(rec.get("rows_error") or 0)
+            e += int(rec.get("rows_error") or 0)
+            xs.append((t - t0) / scale)
+            done.append(n)
+            errors.append(e)
+        return xs, done, errors
+
+    lines = {w: cumulative([p for run in points[w].values() for p in run]) for w in sorted(points)}
+    if len(lines) > 1:
+        lines["all"] = cumulative([p for runs in points.values() for run in runs.values() for p in run])
+    return lines, unit
+
+
 def plot(info: dict, path: Path) -> Path | None:
+    """report.png: rows written (and error rows) and throughput against time, then each drafter's mean
+    acceptance length and pulls. None (with a line on stderr) without matplotlib."""
     try:
         import matplotlib
 
@@ -124,28 +159,48 @@ def plot(info: dict, path: Path) -> Path | None:
     except ImportError:
         print("spin-batch: the PNG needs matplotlib: pip install 'spin-batch[plot]'", file=sys.stderr)
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig = figure(info, plt)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def figure(info: dict, plt):
+    """The report's figure (2 x 2 axes): rows over time, tokens/s over time, acceptance length, pulls."""
+    fig, grid = plt.subplots(2, 2, figsize=(13, 8.4))
+    rows_ax, speed_ax, accept_ax, pulls_ax = grid.flat
     stats = info["stats"]
     unit = "s"
     if stats.height and "tokens_per_s" in stats.columns:
         lines, unit = timelines(stats)
         for worker, (xs, ys) in lines.items():
-            axes[0].plot(xs, ys, marker=".", label=worker)
+            speed_ax.plot(xs, ys, marker=".", label=worker)
         if len(lines) > 1:
-            axes[0].legend(title="worker", fontsize=8)
-    axes[0].set_title("Throughput per stats interval")
-    axes[0].set_xlabel(f"elapsed time ({'minutes' if unit == 'min' else 'seconds'} since the first interval began)")
-    axes[0].set_ylabel("generated tokens/s")
+            speed_ax.legend(title="worker", fontsize=8)
+    if stats.height and "rows_ok" in stats.columns:
+        counts, unit = row_timelines(stats)
+        for worker, (xs, done, errors) in counts.items():
+            line, = rows_ax.plot(xs, done, drawstyle="steps-post", label=f"{worker} rows",
+                                 linewidth=2.5 if worker == "all" else 1.5)
+            if any(errors):
+                rows_ax.plot(xs, errors, drawstyle="steps-post", linestyle="--", color=line.get_color(),
+                             label=f"{worker} error rows")
+        rows_ax.legend(fontsize=8)
+    elapsed = f"elapsed time ({'minutes' if unit == 'min' else 'seconds'} since the first interval began)"
+    rows_ax.set_title(f"Rows written: {info['rows']} ({info['status'].get('error', 0)} errors)")
+    rows_ax.set_xlabel(elapsed)
+    rows_ax.set_ylabel("rows (all runs)")
+    speed_ax.set_title("Throughput per stats interval")
+    speed_ax.set_xlabel(elapsed)
+    speed_ax.set_ylabel("generated tokens/s")
     names = sorted(n for n, d in info["drafters"].items() if d.get("drafted"))
-    axes[1].bar(names, [(info["drafters"][n]["accepted"] + info["drafters"][n].get("spec_steps", 0))
-                        / max(info["drafters"][n].get("spec_steps", 0), 1) for n in names])
-    axes[1].set_title("Mean acceptance length per drafter")
+    accept_ax.bar(names, [(info["drafters"][n]["accepted"] + info["drafters"][n].get("spec_steps", 0))
+                          / max(info["drafters"][n].get("spec_steps", 0), 1) for n in names])
+    accept_ax.set_title("Mean acceptance length per drafter")
     all_names = sorted(info["drafters"])
-    axes[2].bar(all_names, [info["drafters"][n].get("pulls", 0) for n in all_names])
-    axes[2].set_title("Drafter usage (pulls)")
-    for ax in axes[1:]:
+    pulls_ax.bar(all_names, [info["drafters"][n].get("pulls", 0) for n in all_names])
+    pulls_ax.set_title("Drafter usage (pulls)")
+    for ax in (accept_ax, pulls_ax):
         ax.tick_params(axis="x", labelsize=8, rotation=30)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig

@@ -15,12 +15,12 @@ from pathlib import Path
 from .build import Engine, backends, build_engine, make_encoder, model_backend
 from .config import JobConfig, job_to_dict
 from .export import write_results
-from .fingerprint import check_fingerprint
+from .fingerprint import check_fingerprint, check_workers
 from .io.checks import check_columns
 from .io.outputs import cleanup_temp, drop_superseded, read_written
 from .io.reader import iter_requests
 from .io.schema import completion_row
-from .io.shards import assign, count_rows, file_format, list_shards, shard_defaults_from_env, worker_sources
+from .io.shards import assign, count_rows, file_format, list_shards, resolve_workers, worker_sources
 from .io.writer import OutputWriter, StatsWriter, make_run_id, write_json_atomic
 from .preflight import check_output
 from .records import Completion, Request
@@ -76,10 +76,7 @@ def run_job(
     """Run (or resume) this worker's part of the job. ``retry_errors``: redo the rows whose latest row
     is an error. ``allow_changed_job``: resume even though the settings that change a row's text
     differ from those the output folder's rows were made with (fingerprint.py)."""
-    if shard_index is None or num_shards is None:
-        env_index, env_count = shard_defaults_from_env()
-        shard_index = env_index if shard_index is None else shard_index
-        num_shards = env_count if num_shards is None else num_shards
+    shard_index, num_shards = resolve_workers(shard_index, num_shards)
     # everything that can be checked without weights is, before any model loads
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"--limit must be an integer >= 0, got {limit!r}")
@@ -95,6 +92,7 @@ def run_job(
     out = Path(job.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     check_fingerprint(out, job, allow_changed=allow_changed_job)
+    check_workers(out, shard_index, num_shards)  # a one-task Slurm array redoing task 2 of 4 is refused
     worker = f"w{shard_index:04d}"
     lock = RunLock(out, worker)  # a second run of this worker stops here while this one goes on
     try:
@@ -173,8 +171,8 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
             last_interval[0] = now
             if log_lines:
                 done_now = emitted[0] + (done_mine if upfront else skipped)
-                _log(f"spin-batch: worker {worker_text}: rows {done_now}/{'?' if total is None else total} "
-                     f"({emitted[0]} this run), {int(stats.totals['generated_tokens'])} tokens, "
+                _log(f"spin-batch: worker {worker_text}: {rows_progress(done_now, total, emitted[0], stats.elapsed())}"
+                     f", {int(stats.totals['generated_tokens'])} tokens, "
                      f"{record['tokens_per_s']:.1f} tok/s, {len(engine.loop.active)}/{job.batch.slots} slots active")
 
     try:
@@ -261,6 +259,26 @@ def _progress(enabled: bool, total: int | None, already: int):
 def _log(line: str) -> None:
     """One line on stderr, with a UTC ISO timestamp first."""
     print(f"{datetime.now(timezone.utc):%Y-%m-%dT%H:%M:%SZ} {line}", file=sys.stderr, flush=True)
+
+
+def rows_progress(done: int, total: int | None, this_run: int, elapsed: float) -> str:
+    """``rows 30/80 (37.5%, ETA 0:01:40, 0.30 rows/s; 12 this run)``: a log line's progress, as a bar shows
+    it. The rate is this run's rows over its time since the models loaded; the ETA is the rows left at
+    that rate (``?`` before the run's first row, or where the total is not known)."""
+    rate = this_run / elapsed if this_run and elapsed > 0 else None
+    speed = "" if rate is None else f"{rate:.2f} rows/s; " if rate >= 0.1 else f"{rate:.2g} rows/s; "
+    if total is None:
+        return f"rows {done}/? ({speed}{this_run} this run)"
+    left = max(total - done, 0)
+    eta = _clock(left / rate) if rate else "0:00:00" if not left else "?"
+    percent = 100.0 * done / total if total else 100.0
+    return f"rows {done}/{total} ({percent:.1f}%, ETA {eta}, {speed}{this_run} this run)"
+
+
+def _clock(seconds: float) -> str:
+    """H:MM:SS, rounded up to the second."""
+    whole = int(-(-seconds // 1))
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
 
 
 def start_line(job: JobConfig, engine: Engine, worker: str, done: int | None, total: int | None) -> str:

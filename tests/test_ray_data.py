@@ -6,12 +6,15 @@ same rows; one test then runs it through a real local Ray cluster.
 
 from __future__ import annotations
 
+import re
+
 import pyarrow as pa
 import pytest
 import torch
 
 from spin_batch.config import ConfigError, parse_job
-from spin_batch.ray_data import RESULT_FIELDS, SpinBatchPredictor, generate, prepare_job
+from spin_batch.ray_data import (MESSAGES_TYPE, RAY_LLM_NAMES, RESULT_FIELDS, SpinBatchPredictor, derived_id, generate,
+                                  prepare_job)
 from spin_batch.runner import run_job
 
 from conftest import write_jsonl
@@ -105,9 +108,9 @@ def test_a_clashing_input_column_comes_back_with_the_prefix(tiny_dir):
     """The rule of `spin-batch run`'s path: our columns keep their names, the input's get the prefix."""
     pred = SpinBatchPredictor(prepare_job(job_mapping(tiny_dir)))
     out = pred(pa.Table.from_pylist([{"id": "a", "prompt": "hi", "text": "already here", "input_text": "me too"}]))
-    assert out.column_names[:4] == ["id", "prompt", "input_input_text", "input_text"]
+    assert out.column_names[:4] == ["id", "prompt", "input_text", "input_input_text"]
     row = out.to_pylist()[0]
-    assert row["input_input_text"] == "already here" and row["input_text"] == "me too"
+    assert row["input_text"] == "already here" and row["input_input_text"] == "me too"
     assert row["status"] == "ok" and row["text"] != "already here"
     pred = SpinBatchPredictor(prepare_job({**job_mapping(tiny_dir), "output": {"column_prefix": "src."}}))
     assert pred(pa.Table.from_pylist([{"id": "a", "prompt": "hi", "status": 1}])).column_names[:3] == \
@@ -154,6 +157,92 @@ def test_preprocess_and_postprocess_run_in_the_batch_call(tmp_path, tiny_dir):
     assert table.schema.field("drafter_pulls").type == pa.map_(pa.string(), pa.int32())  # its own type kept
 
 
+class FakeDataset:
+    """What generate needs of a Ray Dataset: its schema, and map_batches (recorded, not run)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def schema(self):
+        return pa.schema([("id", pa.string()), ("prompt", pa.string())])
+
+    def map_batches(self, fn, **kwargs):
+        self.calls.append(kwargs)
+        return self
+
+
+def test_generate_passes_rays_compute_strategy_not_the_deprecated_concurrency(tiny_dir):
+    from ray.data import ActorPoolStrategy
+
+    ds = FakeDataset()
+    generate(ds, job_mapping(tiny_dir), concurrency=3, num_cpus=1)
+    generate(ds, job_mapping(tiny_dir))
+    generate(ds, job_mapping(tiny_dir), concurrency=(1, 4))
+    generate(ds, job_mapping(tiny_dir), compute=ActorPoolStrategy(min_size=2, max_size=2))
+    assert all("concurrency" not in call for call in ds.calls)  # deprecated in map_batches since Ray 2.51
+    sizes = [(c["compute"].min_size, c["compute"].max_size) for c in ds.calls]
+    assert sizes == [(3, 3), (1, 1), (1, 4), (2, 2)]
+    assert ds.calls[0]["num_cpus"] == 1 and ds.calls[0]["batch_size"] == 48
+    for bad in (0, (1,), "4", True):
+        with pytest.raises(ValueError, match="concurrency must be"):
+            generate(ds, job_mapping(tiny_dir), concurrency=bad)
+    with pytest.raises(ValueError, match="not both"):
+        generate(ds, job_mapping(tiny_dir), concurrency=2, compute=ActorPoolStrategy(size=2))
+    with pytest.raises(ValueError, match="result_names"):
+        generate(ds, job_mapping(tiny_dir), result_names="vllm")
+
+
+def test_messages_come_back_as_structs_not_pickled_objects(tiny_dir):
+    """Ray reads a messages column that only some files have as pickled Python objects; the output holds
+    it as a list of {role, content} structs, in every batch alike (all-null ones too)."""
+    from ray.data._internal.object_extensions.arrow import ArrowPythonObjectArray
+
+    pred = SpinBatchPredictor(prepare_job(job_mapping(tiny_dir)))
+    chat = [{"role": "user", "content": "the quick brown fox"}]
+    pickled = ArrowPythonObjectArray.from_objects([float("nan"), chat])  # as Ray reads a row without messages
+    assert isinstance(pickled.type, pa.ExtensionType)
+    out = pred(pa.table({"id": ["a", "b"], "prompt": ["list three colours", None], "messages": pickled}))
+    assert out.schema.field("messages").type == MESSAGES_TYPE
+    assert out.column("messages").to_pylist() == [None, chat]
+    assert [r["status"] for r in out.to_pylist()] == ["ok", "ok"]
+    # a batch of prompts only: the column still has the messages type, so Ray's blocks agree
+    nulls = pred(pa.table({"id": ["c"], "prompt": ["hi"], "messages": pa.nulls(1)}))
+    assert nulls.schema.field("messages").type == MESSAGES_TYPE
+    # another pickled column: plain Arrow data where its values have a common type
+    other = pred(pa.table({"id": ["d"], "prompt": ["hi"], "meta": ArrowPythonObjectArray.from_objects([{"k": 1}])}))
+    assert other.schema.field("meta").type == pa.struct([("k", pa.int64())])
+
+
+def test_ray_data_llm_column_names_on_request(tiny_dir):
+    data = rows(3)
+    spin = SpinBatchPredictor(prepare_job(job_mapping(tiny_dir)))(pa.Table.from_pylist(data))
+    pred = SpinBatchPredictor(prepare_job(job_mapping(tiny_dir)), result_names="ray_llm")
+    out = pred(pa.Table.from_pylist([{**r, "text": "mine"} for r in data]))
+    assert {"generated_text", "num_generated_tokens", "num_input_tokens"} <= set(out.column_names)
+    assert not {"completion_tokens", "prompt_tokens"} & set(out.column_names)
+    assert out.column("text").to_pylist() == ["mine"] * 3  # no clash under these names: kept as it is
+    for ours, theirs in RAY_LLM_NAMES.items():
+        assert out.column(theirs).to_pylist() == spin.column(ours).to_pylist()
+    clash = pred(pa.Table.from_pylist([{"id": "a", "prompt": "hi", "generated_text": "old"}]))
+    assert clash.column("input_generated_text").to_pylist() == ["old"]
+
+
+def test_a_preprocess_that_makes_no_id_gets_one_derived_from_the_row(tiny_dir):
+    data = [{"question": "the quick brown fox"}, {"question": "list three colours"}, {"question": "the quick brown fox"}]
+    pred = SpinBatchPredictor(prepare_job(job_mapping(tiny_dir)), preprocess=lambda row: {"prompt": row["question"]})
+    got = pred(pa.Table.from_pylist(data)).to_pylist()
+    assert [r["status"] for r in got] == ["ok", "ok", "ok"], got
+    first = derived_id(data[0])
+    assert re.fullmatch(r"row-[0-9a-f]{16}", first)
+    assert [r["id"] for r in got] == [first, derived_id(data[1]), f"{first}-2"]  # a repeat within the batch
+    assert got[0]["text"] == got[2]["text"]
+    again = pred(pa.Table.from_pylist(data[1:2])).to_pylist()  # the same row, another batch: the same id
+    assert again[0]["id"] == derived_id(data[1])
+    # an id the preprocess gives (or the row's own, kept by {**row}) is used as it is
+    keep = SpinBatchPredictor(prepare_job(job_mapping(tiny_dir)), preprocess=lambda row: {**row, "prompt": "hi"})
+    assert [r["id"] for r in keep(pa.Table.from_pylist(rows(2))).to_pylist()] == ["r000", "r001"]
+
+
 def test_a_bad_job_fails_on_the_driver_before_any_model_loads(tmp_path, tiny_dir):
     with pytest.raises(ConfigError, match="slotz"):
         prepare_job({**job_mapping(tiny_dir), "batch": {"slotz": 3}})
@@ -182,8 +271,25 @@ def test_generate_through_a_local_ray_cluster(tmp_path, tiny_dir):
         got = generate(ds, job_mapping(tiny_dir), concurrency=1, num_cpus=1, batch_size=4,
                        preprocess=lambda row: {**row, "label": row["label"] * 10},  # the hooks reach the actor
                        postprocess=lambda row: {**row, "chars": len(row["text"])}).take_all()
+        # files that do not all have a messages column: Ray reads it as pickled objects; written back, it
+        # is a list of structs, and the results carry Ray Data LLM's names where asked
+        write_jsonl(tmp_path / "mixed" / "a.jsonl", data[:3])
+        write_jsonl(tmp_path / "mixed" / "b.jsonl", [{"id": "chat", "messages": [{"role": "user", "content": "hi"}]}])
+        mixed = ray.data.read_json([str(tmp_path / "mixed" / "a.jsonl"), str(tmp_path / "mixed" / "b.jsonl")],
+                                   lines=True)
+        generate(mixed, job_mapping(tiny_dir), num_cpus=1, result_names="ray_llm").write_parquet(
+            str(tmp_path / "written"))
     finally:
         ray.shutdown()
+    import pyarrow.parquet as pq
+
+    written = pq.read_table(tmp_path / "written")
+    assert written.schema.field("messages").type == MESSAGES_TYPE
+    by_id = {r["id"]: r for r in written.to_pylist()}
+    assert sorted(by_id) == ["chat", "r000", "r001", "r002"]
+    assert by_id["chat"]["messages"] == [{"role": "user", "content": "hi"}] and by_id["r000"]["messages"] is None
+    assert all(r["status"] == "ok" and r["generated_text"] for r in by_id.values())
+    assert by_id["r001"]["generated_text"] == want["r001"]
     assert sorted(r["id"] for r in got) == [r["id"] for r in data]
     for r in got:
         assert r["status"] == "ok" and r["text"] == want[r["id"]], r

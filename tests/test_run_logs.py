@@ -40,9 +40,22 @@ def test_start_line_and_interval_lines_in_a_log(tmp_path, tiny_dir):
                         r"slots=3 worker=0/1 rows_done=2 rows=6", start[0]), start[0]
     intervals = [line for line in lines if re.match(rf"{STAMP} spin-batch: worker 0/1: rows ", line)]
     assert intervals, err
-    assert re.fullmatch(rf"{STAMP} spin-batch: worker 0/1: rows \d+/6 \(\d+ this run\), \d+ tokens, [\d.]+ tok/s, "
-                        r"\d/3 slots active", intervals[-1]), intervals[-1]
+    assert re.fullmatch(rf"{STAMP} spin-batch: worker 0/1: rows \d+/6 \(\d+\.\d%, ETA (\d+:\d\d:\d\d|\?), "
+                        r"([\d.]+ rows/s; )?\d+ this run\), \d+ tokens, [\d.]+ tok/s, \d/3 slots active",
+                        intervals[-1]), intervals[-1]
+    last = re.search(r"rows (\d+)/6 \((\d+\.\d)%", intervals[-1])
+    assert float(last.group(2)) == round(100 * int(last.group(1)) / 6, 1)
     assert lines.index(start[0]) < lines.index(intervals[0])
+
+
+def test_rows_progress_says_percent_eta_and_rate():
+    assert runner.rows_progress(30, 80, 12, 40.0) == "rows 30/80 (37.5%, ETA 0:02:47, 0.30 rows/s; 12 this run)"
+    assert runner.rows_progress(2, 6, 0, 3.0) == "rows 2/6 (33.3%, ETA ?, 0 this run)"  # no row yet: no rate
+    assert runner.rows_progress(6, 6, 4, 2.0) == "rows 6/6 (100.0%, ETA 0:00:00, 2.00 rows/s; 4 this run)"
+    assert runner.rows_progress(7, None, 7, 1.0) == "rows 7/? (7.00 rows/s; 7 this run)"
+    assert runner.rows_progress(0, 0, 0, 1.0) == "rows 0/0 (100.0%, ETA 0:00:00, 0 this run)"
+    assert runner.rows_progress(1, 20000, 1, 1.0).endswith("ETA 5:33:19, 1.00 rows/s; 1 this run)")
+    assert runner.rows_progress(1, 2, 1, 120.0) == "rows 1/2 (50.0%, ETA 0:02:00, 0.0083 rows/s; 1 this run)"
 
 
 def test_sharded_bar_counts_only_this_workers_rows(tmp_path, tiny_dir, monkeypatch):
@@ -98,6 +111,35 @@ def test_report_time_axis_has_one_line_per_worker(tmp_path, tiny_dir):
     assert min(xs) >= 0 and max(xs) < 600
     assert xs0[-1] > lines["w0001"][0][0]  # worker 0's second run came after worker 1's first interval
     assert report.plot(info, tmp_path / "r.png") == tmp_path / "r.png"
+    counts, unit = report.row_timelines(info["stats"])
+    assert sorted(counts) == ["all", "w0000", "w0001"] and unit == "s"
+    assert [counts[w][1][-1] for w in ("w0000", "w0001", "all")] == [8, 4, 12]  # both runs of worker 0
+    assert all(c[1] == sorted(c[1]) and c[1][0] == 0 and not any(c[2]) for c in counts.values())
+
+
+def test_report_picture_shows_rows_errors_and_speed_over_time(tmp_path, tiny_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = prompt_rows(5)
+    rows[2]["prompt"] = ""  # an error row
+    write_jsonl(tmp_path / "in" / "p.jsonl", rows)
+    job, out = make_job(tmp_path, tiny_dir, [tmp_path / "in"], output={"stats_interval_s": 0.001},
+                        sampling={"max_tokens": 6})
+    run_ok(job)
+    info = report.load(out)
+    counts, _ = report.row_timelines(info["stats"])
+    assert list(counts) == ["w0000"] and (counts["w0000"][1][-1], counts["w0000"][2][-1]) == (5, 1)
+    fig = report.figure(info, plt)
+    rows_ax, speed_ax, _, pulls_ax = fig.axes
+    assert rows_ax.get_title() == "Rows written: 5 (1 errors)" and speed_ax.get_title().startswith("Throughput")
+    labels = {line.get_label(): line for line in rows_ax.get_lines()}
+    assert set(labels) == {"w0000 rows", "w0000 error rows"}
+    assert list(labels["w0000 rows"].get_ydata())[-1] == 5 and list(labels["w0000 error rows"].get_ydata())[-1] == 1
+    assert len(speed_ax.get_lines()) == 1 and pulls_ax.get_title() == "Drafter usage (pulls)"
+    plt.close(fig)
 
 
 def test_report_time_axis_from_run_ids_without_wall_time():

@@ -37,7 +37,7 @@ def problem(device: torch.device | str) -> str | None:
     which importing this package sets by itself on a machine without CUDA)."""
     device = torch.device(device)
     if not HAVE_TRITON:
-        return "Triton is not importable here"
+        return "Triton is not installed here (or does not import): pip install 'spin-batch[gpu]' installs it"
     if device.type == "cuda":
         return None
     if device.type != "cpu":

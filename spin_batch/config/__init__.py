@@ -1,7 +1,7 @@
 """Job configuration: YAML -> frozen dataclasses, validated before any model loads.
 
-A job file is parsed with :func:`yaml.safe_load`, optional ``--set KEY=VALUE``
-overrides are applied, and the result is checked field by field. Every problem
+A job file is parsed with PyYAML's safe loader (:mod:`.safe_yaml`: a key given twice, or anchors and
+aliases that expand past a bound, are refused), optional ``--set KEY=VALUE`` overrides are applied, and the result is checked field by field. Every problem
 is collected and reported at once in a single :class:`ConfigError`, each line
 prefixed by the key path it concerns (``batch.slots: ...``,
 ``drafters[1].layers: ...``).
@@ -46,6 +46,7 @@ from .drafters import (
 )
 from .overrides import _apply_overrides, apply_overrides
 from .parsing import DTYPE_ALIASES, ConfigError, _describe, _Errors, _Invalid, _optional, _Section, _text
+from .safe_yaml import YamlRefused, load_yaml
 from .sections import (
     SELECTOR_GRAMMAR,
     BatchConfig,
@@ -188,9 +189,13 @@ def load_job(path: str | os.PathLike, overrides: Sequence[str] = ()) -> JobConfi
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"invalid job {source}: cannot read file ({exc})") from exc
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"invalid job {source}: YAML syntax error", [str(exc)]) from exc
+    except YamlRefused as exc:
+        raise ConfigError(f"invalid job {source}:", [str(exc)]) from None
+    except RecursionError:
+        raise ConfigError(f"invalid job {source}:", ["lists or mappings nested too deeply"]) from None
     return parse_job({} if raw is None else raw, overrides, source=source)
 
 

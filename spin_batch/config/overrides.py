@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from .parsing import ConfigError, _describe, _Invalid
+from .safe_yaml import YamlRefused, load_yaml
 
 _INDEX = re.compile(r"[0-9]+")
 
@@ -46,10 +47,14 @@ def _apply_one(raw: dict, text: str) -> None:
     if not all(parts):
         raise _Invalid(f"bad override {text!r}: empty component in key {key.strip()!r}")
     try:
-        value = yaml.safe_load(value_text)
+        value = load_yaml(value_text)
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or "not valid YAML"
         raise _Invalid(f"bad override {text!r}: invalid value ({problem})") from exc
+    except YamlRefused as exc:
+        raise _Invalid(f"bad override {text!r}: {exc}") from None
+    except RecursionError:
+        raise _Invalid(f"bad override {text!r}: lists or mappings nested too deeply") from None
     node: Any = raw
     for depth, part in enumerate(parts[:-1]):
         container, slot = _slot(node, part, ".".join(parts[:depth]), text)
@@ -78,7 +83,7 @@ def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
 
     ``KEY`` is a dotted path (``batch.slots``); missing mappings are created and
     numeric components index into lists (``drafters.0.layers``). ``VALUE`` is
-    parsed with ``yaml.safe_load``. Raises :class:`ConfigError` listing every
+    parsed as YAML (:func:`.safe_yaml.load_yaml`). Raises :class:`ConfigError` listing every
     bad override.
     """
     result, problems = _apply_overrides(raw, overrides)

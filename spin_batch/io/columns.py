@@ -2,13 +2,15 @@
 
 Which columns: all of a row's input columns, none, or a named list (a named column that a row
 lacks is null there). An input column named like an output column comes back as
-``prefix + name`` (again, until the name is free), on the job path and on the Ray path alike:
-spin-batch's own columns always keep their names.
+``prefix + name``, and so does one named like that with the prefix before it once or more
+(``input_text`` -> ``input_input_text``), on the job path and on the Ray path alike: spin-batch's
+own columns always keep their names, and two input columns never share an output name, whichever
+rows have them (:func:`output_name`).
 
 Types: output parts are written one flush at a time, so a kept column is stored in each part
 with the Arrow type pyarrow infers from that part's values. Where a part's values have no common
 type (a number in one row, a string in the next) the column is stored in that part as JSON
-text, marked in the field's metadata. Readers merge the parts with pyarrow's permissive
+text, marked in the field's metadata; so is a value Parquet cannot store (an empty object). Readers merge the parts with pyarrow's permissive
 promotion (a column missing from a part is null there; int64 and double make double); a
 column whose types still differ between parts (int64 in one, string in another) is read as
 JSON text in every part, so no row's value is lost or coerced.
@@ -28,21 +30,20 @@ JSON_KEY = b"spin_batch.encoding"  # field metadata of a kept column stored as J
 JSON_VALUE = b"json"
 
 
+def output_name(name: str, taken: Collection[str], prefix: str) -> str:
+    """An input column's name in the output, from its name alone (never from the row's other columns, so
+    every row of a job maps it alike): ``prefix`` + it where it is an output column's name (``taken``)
+    or such a name with ``prefix`` before it once or more, else its own. One-to-one: with prefix
+    ``input_``, ``text`` -> ``input_text``, ``input_text`` -> ``input_input_text``, ``topic`` -> ``topic``."""
+    base = name
+    while prefix and base.startswith(prefix) and base not in taken:
+        base = base[len(prefix):]
+    return prefix + name if base in taken else name
+
+
 def output_names(names: Iterable[str], taken: Collection[str], prefix: str) -> dict[str, str]:
-    """Each input column's name in the output: its own, or ``prefix`` + it (repeated until free)
-    where an output column (``taken``) has it."""
-    names = list(names)
-    used = set(taken) | set(names)
-    out: dict[str, str] = {}
-    for name in names:
-        new = name
-        if name in taken:
-            new = prefix + name
-            while new in used:
-                new = prefix + new
-            used.add(new)
-        out[name] = new
-    return out
+    """Each input column's name in the output (:func:`output_name`)."""
+    return {name: output_name(name, taken, prefix) for name in names}
 
 
 def selected(names: Iterable[str], keep: KeepColumns) -> list[str]:
@@ -74,11 +75,25 @@ def json_column(name: str, values: list) -> tuple[pa.Field, pa.Array]:
             pa.array([_json_text(v) for v in values], pa.string()))
 
 
+def parquet_stores(t: pa.DataType) -> bool:
+    """Whether Parquet can store this Arrow type: not a struct without fields (what an empty JSON object
+    becomes), at any depth."""
+    if pa.types.is_struct(t):
+        return t.num_fields > 0 and all(parquet_stores(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return parquet_stores(t.value_type)
+    if pa.types.is_map(t):
+        return parquet_stores(t.key_type) and parquet_stores(t.item_type)
+    return True
+
+
 def part_column(name: str, values: list) -> tuple[pa.Field, pa.Array]:
-    """One part's kept column: the Arrow type pyarrow infers, else JSON text."""
+    """One part's kept column: the Arrow type pyarrow infers where Parquet can store it, else JSON text."""
     try:
         array = pa.array(values)
     except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return json_column(name, values)
+    if not parquet_stores(array.type):
         return json_column(name, values)
     return pa.field(name, array.type), array
 

@@ -1,8 +1,8 @@
 """An OpenAI batch request line -> a :class:`Request`.
 
 An OpenAI batch file (what ``vllm run-batch -i`` and the OpenAI Batch API take) has one request
-a line, ``{"custom_id", "method": "POST", "url", "body"}``. The custom_id is the row's id (a
-non-empty string); the url picks the endpoint (``/v1/chat/completions`` reads body.messages,
+a line, ``{"custom_id", "method": "POST", "url", "body"}``. The custom_id is the row's id, kept as
+given (a string; any other JSON value as its JSON text, so 7 is "7"); the url picks the endpoint (``/v1/chat/completions`` reads body.messages,
 ``/v1/completions`` body.prompt, one string); the body's sampling fields become the row's
 RowParams (io/params.py). A problem with any of them, named by its field, makes the line an
 error row. Kept columns (a named list only) are top-level fields of the line: the body is the
@@ -28,14 +28,14 @@ _OPENAI_URLS = {"/v1/chat/completions": ("chat", "messages"), "/v1/completions":
 
 
 def _openai_id(value: Any) -> str:
-    """custom_id: a non-empty string (OpenAI's type; an integer is not converted)."""
+    """custom_id, kept as given: a string as it is, any other JSON value (OpenAI's type is a string; a
+    number is common) as its compact JSON text, so 7 is "7". Missing, null or empty is an error."""
     if value is None:
         raise BadRow("missing custom_id", "missing custom_id")
-    if not isinstance(value, str):
-        raise BadRow("bad custom_id", f"custom_id must be a string, got {type_name(value)}")
-    if not value.strip():
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    if not text.strip():
         raise BadRow("bad custom_id", "empty custom_id")
-    return unicode_text(value, "custom_id")
+    return unicode_text(text, "custom_id")
 
 
 def _openai_endpoint(line: Mapping[str, Any]) -> tuple[str, str]:

@@ -6,7 +6,8 @@ a request with ``error`` set, so the job writes an error row for it instead of s
 
 A plain row has an id, a prompt or messages, and maybe a params column of per-row sampling
 settings (checked by io/params.py). A row with both a prompt and messages (both non-null) is an
-error row: which one to decode would be a guess.
+error row: which one to decode would be a guess. A message's role must be one of OpenAI's chat roles
+(:data:`CHAT_ROLES`).
 
 A row's other columns can ride along to its output row (``keep_columns``: all of them, or those
 named; never an OpenAI line's body, which is the request).
@@ -28,6 +29,7 @@ from .params import ParamError, column_params
 from .shards import FORMATS, InputError
 
 __all__ = [
+    "CHAT_ROLES",
     "BadRow",
     "NotUtf8",
     "Row",
@@ -145,6 +147,11 @@ def _parse_id(value: Any) -> str:
     return unicode_text(text, "id")
 
 
+# The roles of OpenAI's chat messages, which chat templates are written for; any other role is an error
+# row (a template may render it as it stands, or drop it, or fail: a guess either way)
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _parse_message(index: int, item: Any, name: str = "messages") -> dict:
     """Validate one chat message; keeps role, content and any non-null extra keys."""
     where = f"{name}[{index}]"
@@ -153,6 +160,8 @@ def _parse_message(index: int, item: Any, name: str = "messages") -> dict:
     role, content = item.get("role"), item.get("content")
     if not isinstance(role, str) or not role.strip():
         raise BadRow("bad messages", f"{where}.role must be a non-empty string, got {role!r}")
+    if role not in CHAT_ROLES:
+        raise BadRow("bad messages", f"{where}.role {role!r} is not a chat role ({', '.join(CHAT_ROLES)})")
     if not isinstance(content, str):
         raise BadRow("bad messages", f"{where}.content must be a string, got {type_name(content)}")
     unicode_text(role, f"{where}.role")
@@ -217,12 +226,24 @@ def _check_text(value: Any, what: str) -> None:
             _check_text(item, what)
 
 
+def _column_name(name: Any) -> str:
+    """A kept column's name: a non-empty string (an output column needs one; JSON allows ``"": 1``)."""
+    if not isinstance(name, str):
+        raise BadRow("bad column name", f"column name {name!r} is not a string ({type_name(name)}); it cannot "
+                                        "be an output column (output.keep_columns: name the columns to keep)")
+    if not name:
+        raise BadRow("bad column name", "column name '' is empty; it cannot be an output column "
+                                        "(output.keep_columns: name the columns to keep)")
+    return unicode_text(name, "a column name")
+
+
 def kept_columns(values: Mapping[str, Any], spec: Spec) -> dict[str, Any] | None:
     """The row's columns carried to its output row: every column but the request's, or those named
-    (a named column the row lacks is None)."""
+    (a named column the row lacks is None). A column name that is empty or not a string makes the row
+    an error row: the output could not store it."""
     if spec.keep is False:
         return None
-    names = [k for k in values if k not in spec.read] if spec.keep is True else list(spec.keep)
+    names = [_column_name(k) for k in values if k not in spec.read] if spec.keep is True else list(spec.keep)
     _check_utf8(values, names)
     kept = {name: values.get(name) for name in names}
     for name, value in kept.items():

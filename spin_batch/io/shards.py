@@ -14,7 +14,7 @@ error row).
 
 A worker's part of the input (:func:`assign`) is whole files, or every ``num_shards``-th row
 when the files are fewer than the workers or too uneven; the index and count default to the
-Slurm job array's (:func:`shard_defaults_from_env`). :func:`count_rows` and
+Slurm job array's (:func:`resolve_workers`, :func:`shard_defaults_from_env`). :func:`count_rows` and
 :func:`worker_sources` find a shard's rows and a worker's sources without parsing a row.
 """
 
@@ -42,6 +42,7 @@ __all__ = [
     "list_shards",
     "open_binary",
     "open_parquet_file",
+    "resolve_workers",
     "row_lines",
     "shard_defaults_from_env",
     "worker_sources",
@@ -214,6 +215,13 @@ def shard_defaults_from_env(env: Mapping[str, str] = os.environ) -> tuple[int, i
     if step < 1:
         raise InputError(f"SLURM_ARRAY_TASK_STEP must be >= 1, got {step}")
     count = _slurm_task_count(env, task_min, step)
+    if count == 1 and task_id != 0:
+        raise InputError(
+            f"SLURM_ARRAY_TASK_ID={task_id} in an array of one task (as `sbatch --array={task_id}` makes to redo "
+            "one task): the array does not say how many workers share the input. Pass --num-shards N (the "
+            "array's full size; the task id is then the shard index), as examples/slurm/spin_batch_array.sbatch "
+            "does"
+        )
     offset = task_id - task_min
     index = offset // step
     if offset < 0 or offset % step or index >= count:
@@ -223,6 +231,33 @@ def shard_defaults_from_env(env: Mapping[str, str] = os.environ) -> tuple[int, i
             "index and count explicitly"
         )
     return index, count
+
+
+def resolve_workers(shard_index: int | None, num_shards: int | None,
+                    env: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """``(shard_index, num_shards)`` from the flags where given, else from the environment.
+
+    Neither given: :func:`shard_defaults_from_env`. Only the count given: inside a Slurm array the
+    index is ``SLURM_ARRAY_TASK_ID`` itself (tasks numbered from 0, so that ``sbatch --array=2``
+    redoes worker 2 of N), outside one 0. Only the index given: the count from the environment.
+
+    Raises:
+        InputError: the environment does not describe a worker (see shard_defaults_from_env), or
+            the task id is not below the count given.
+    """
+    if shard_index is not None and num_shards is not None:
+        return shard_index, num_shards
+    if num_shards is None:
+        env_index, num_shards = shard_defaults_from_env(env)
+        return (env_index if shard_index is None else shard_index), num_shards
+    task_id = _env_int(env, "SLURM_ARRAY_TASK_ID")
+    if task_id is None:
+        return 0, num_shards
+    if not 0 <= task_id < num_shards:
+        raise InputError(f"SLURM_ARRAY_TASK_ID={task_id} is not a shard index of --num-shards {num_shards}: number "
+                         f"the array's tasks 0 to {num_shards - 1} (sbatch --array=0-{num_shards - 1}), or pass "
+                         "--shard-index too")
+    return task_id, num_shards
 
 
 def _check_shard_args(shard_index: int, num_shards: int) -> None:

