@@ -29,7 +29,7 @@ echo "== kernel and CUDA-graph tests (compiled, CUDA tensors) =="
 $PY -m pytest tests/test_kernels.py tests/test_cuda_graphs.py -q -p no:cacheprovider
 
 echo "== kernel timings =="
-$PY -m spin_kernels.bench_kernels "$@"
+$PY scripts/bench_kernels.py "$@"
 
 for graphs in on off; do
   echo "== demo bench, CUDA graphs $graphs (SPIN_BATCH_KERNELS=${SPIN_BATCH_KERNELS:-auto}) =="

@@ -3,6 +3,11 @@ attention and whole-decoder call: values, batch independence, fallbacks, builds.
 
 from __future__ import annotations
 
+import re
+import shutil
+from fnmatch import fnmatch
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -42,17 +47,11 @@ def test_linear_uses_it_for_float32_and_adds_the_bias(lib):
     torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture
-def bf16_lib(lib):
-    assert lib.spin_gemm_bf16_ok()  # every build has one (see cpu_decoder.c)
-    return lib
-
-
 @pytest.mark.parametrize("M,O,K", SHAPES)
-def test_bf16_matches_float64_reference(bf16_lib, M, O, K):
+def test_bf16_matches_float64_reference(lib, M, O, K):
     g = torch.Generator().manual_seed(M * 1000 + O + K)
     w, x = torch.randn(O, K, generator=g).bfloat16(), torch.randn(M, K, generator=g).bfloat16()
-    y = cpu_decoder.PanelWeight(bf16_lib, w)(x)
+    y = cpu_decoder.PanelWeight(lib, w)(x)
     assert y.shape == (M, O) and y.dtype == torch.bfloat16
     ref = x.double() @ w.double().T
     # float32 sums in order (~K * eps32), then one rounding to bfloat16 (half an ulp: at most 2^-8 relative)
@@ -63,10 +62,10 @@ def test_bf16_matches_float64_reference(bf16_lib, M, O, K):
         assert (y == (x.float() @ w.float().T).bfloat16()).float().mean() > 0.99
 
 
-def test_bf16_rows_result_does_not_depend_on_its_batch(bf16_lib):
+def test_bf16_rows_result_does_not_depend_on_its_batch(lib):
     g = torch.Generator().manual_seed(8)
     w, x = torch.randn(3072, 576, generator=g).bfloat16(), torch.randn(29, 576, generator=g).bfloat16()
-    pw = cpu_decoder.PanelWeight(bf16_lib, w)
+    pw = cpu_decoder.PanelWeight(lib, w)
     full = pw(x)
     for lo, hi in [(0, 1), (3, 4), (5, 10), (12, 25), (28, 29), (0, 29)]:
         assert torch.equal(pw(x[lo:hi]), full[lo:hi]), (lo, hi)
@@ -77,7 +76,7 @@ def test_linear_uses_it_for_bfloat16_on_every_cpu(lib):
     widened to float32 (AVX2, AVX-512 without BF16, NEON)."""
     w, b, x = torch.randn(50, 40).bfloat16(), torch.randn(50).bfloat16(), torch.randn(3, 40).bfloat16()
     lin = Linear(w, b)
-    assert lib.spin_gemm_bf16_ok() and lin.panel is not None and lin.weight is None
+    assert lin.panel is not None and lin.weight is None
     y = lin(x)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=2e-2, atol=2e-2)
@@ -318,9 +317,12 @@ def test_a_new_source_replaces_this_machines_old_build(monkeypatch, tmp_path):
     first = cpu_decoder._build("cc")
     assert first.parent == folder and first.name.startswith("cpu_decoder-")
     assert [p.name for p in legacy.glob("*.so")] == ["cpu_gemm-othermachine0-0123456789ab.so"]
-    source = tmp_path / "cpu_decoder.c"
-    source.write_text(cpu_decoder.SOURCE.read_text() + "\n/* a newer version */\n")
-    monkeypatch.setattr(cpu_decoder, "SOURCE", source)
+    copy = tmp_path / "src"  # the sources, one part changed: a change to any file is a new source
+    shutil.copytree(cpu_decoder.SOURCE.parent / cpu_decoder.PARTS, copy / cpu_decoder.PARTS)
+    shutil.copy(cpu_decoder.SOURCE, copy)
+    part = copy / cpu_decoder.PARTS / "attention.c"
+    part.write_text(part.read_text() + "\n/* a newer version */\n")
+    monkeypatch.setattr(cpu_decoder, "SOURCE", copy / cpu_decoder.SOURCE.name)
     second = cpu_decoder._build("cc")
     assert second != first and second.exists() and not first.exists()
     assert [p.name for p in folder.glob("*.so")] == [second.name]
@@ -328,12 +330,29 @@ def test_a_new_source_replaces_this_machines_old_build(monkeypatch, tmp_path):
     assert cpu_decoder._build("cc") == second  # cached: no rebuild, nothing removed
 
 
-def test_bf16_many_rows_in_chunks_keep_each_rows_result(bf16_lib):
+def test_the_sources_are_every_file_the_build_includes_and_ship_with_the_package():
+    """The build key (sources()) covers each file cpu_decoder.c includes, at any depth, and pyproject.toml's
+    package data ships each of them."""
+    files = cpu_decoder.sources()
+    included = set()
+    for f in files:
+        included |= {(f.parent / name).resolve() for name in re.findall(r'#include "([^"]+)"', f.read_text())}
+    assert included and included <= {f.resolve() for f in files}
+    assert {f.resolve() for f in files} - included == {cpu_decoder.SOURCE.resolve()}  # nothing unused in csrc/
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["spin_batch.models"]
+    for f in files:
+        name = f.relative_to(cpu_decoder.SOURCE.parent).as_posix()
+        assert any(fnmatch(name, p) for p in patterns), name
+
+
+def test_bf16_many_rows_in_chunks_keep_each_rows_result(lib):
     """Past 240 rows the widening bfloat16 GEMM (builds without AVX512-BF16: the x86-64-v3 pass) sums in
     row chunks, so its buffer is bounded whatever M is; a row's result still does not depend on its batch."""
     g = torch.Generator().manual_seed(9)
     w, x = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(700, 64, generator=g).bfloat16()
-    pw = cpu_decoder.PanelWeight(bf16_lib, w)
+    pw = cpu_decoder.PanelWeight(lib, w)
     full = pw(x)
     for lo, hi in [(0, 1), (239, 241), (250, 251), (480, 700)]:
         assert torch.equal(pw(x[lo:hi]), full[lo:hi]), (lo, hi)

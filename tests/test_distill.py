@@ -311,6 +311,27 @@ def test_distilled_drafts_default_to_bf16_where_native_and_share_one_embedding(t
     assert c.embed is target.embed
 
 
+def test_a_draft_without_tokenizer_files_validates_loads_and_drafts(tmp_path, tiny_distilled, tiny_dir):
+    """A distilled draft runs with its target's tokenizer: with the tokenizer files distill copied beside it
+    removed (as in the shipped examples/drafts), the job validates and the draft loads as it did with them."""
+    import shutil
+
+    settings, _ = tiny_distilled
+    bare = tmp_path / "bare"
+    shutil.copytree(settings.out / "d2x64", bare, ignore=shutil.ignore_patterns(
+        "tokenizer*", "special_tokens_map*", "generation_config*", "vocab*", "merges*", "chat_template*"))
+    assert sorted(p.name for p in bare.iterdir()) == ["config.json", "model.safetensors"]
+    job = parse_job({
+        "input": {"paths": ["x.jsonl"]}, "output": {"dir": "o"}, "target": {"model": str(tiny_dir)},
+        "drafters": [{"name": "bare", "kind": "model", "model": str(bare)}],
+    })
+    assert check_models(job) == []
+    target = load_model(tiny_dir)
+    a = load_draft(settings.out / "d2x64", target, torch.float32, torch.device("cpu"))
+    b = load_draft(bare, target, torch.float32, torch.device("cpu"))
+    assert b.spec == a.spec and torch.equal(b.vocab_ids, a.vocab_ids)
+
+
 def test_draft_for_another_target_is_rejected_before_loading(tiny_distilled, tiny_dir, tiny_qwen_dir):
     settings, _ = tiny_distilled
     assert check_pairing(settings.out / "d2x64", tiny_dir) is None

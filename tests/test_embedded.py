@@ -92,6 +92,15 @@ def test_demo_job_validates_with_the_shipped_drafts(monkeypatch):
     assert validate_job(job) == []
 
 
+def test_shipped_drafts_hold_only_their_own_files():
+    """A distilled draft runs with its target's tokenizer, so the shipped folders carry no copy of it (three
+    identical tokenizer.json files before): each holds its config and weights only."""
+    drafts = shipped_drafts()
+    assert len(drafts) >= 3
+    for d in drafts:
+        assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors"], d.name
+
+
 def test_every_shipped_job_validates(monkeypatch):
     """Each job in jobs/ (the README's quick start runs them) passes validate: config, input, models."""
     from spin_batch.config import load_job

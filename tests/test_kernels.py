@@ -15,6 +15,7 @@ if not ON_GPU:
 import importlib  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -36,6 +37,7 @@ from spin_batch.models.cache import KVCache  # noqa: E402
 from spin_batch.models.segments import Segments  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+ROOT = Path(__file__).resolve().parent.parent
 
 # fp32: both sides compute in fp32 (the kernel's dots in ieee fp32), so only summation order differs.
 # bf16/fp16: both sides round the output to 8 (11) mantissa bits and the GPU kernel rounds the
@@ -455,7 +457,7 @@ def test_kernels_compile_for_sm90():
     In a subprocess: this process decorated the kernels for the interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled mode even without a GPU
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run([sys.executable, "-m", "spin_kernels.aot_check", "--arch", "90", "--quick"], env=env,
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "aot_check.py"), "--arch", "90", "--quick"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "all compiled for sm_90" in res.stdout

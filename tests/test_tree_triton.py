@@ -81,6 +81,13 @@ def test_kernel_matches_references_with_trees(H, KV):
     assert (out[tree_rows] - plain[tree_rows]).abs().max() > 1e-2
 
 
+def test_reference_with_trees_is_the_runtimes_attention_ref():
+    """spin_kernels' own reference (it imports nothing of spin_batch) gives attention_ref's output bit for bit."""
+    args, mask, seg = _inputs(*MIXED, seed=3)
+    ref = varlen_attention_ref(*args, mask).cpu()
+    torch.testing.assert_close(ref, attention_ref(*(t.cpu() for t in args[:3]), seg), atol=0, rtol=0)
+
+
 def test_kernel_with_a_64_token_tree_and_bfloat16():
     parts, parents = [(0, 2, 7), (1, len(BIG), 4)], [None, BIG]
     args, mask, seg = _inputs(parts, parents, H=2, KV=1, D=16, dtype=torch.bfloat16, seed=7)

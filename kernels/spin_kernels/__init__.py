@@ -1,5 +1,6 @@
-"""Triton kernels for the hot stages, each with a torch reference (`*_ref`; accept's is
-spin_batch.engine.verify.accept_ref, the rule the torch path runs).
+"""Triton kernels for the hot stages, each with a torch reference beside it (`*_ref`), except accept's:
+its rule is the runtime's own torch path (spin_batch.engine.verify.accept_ref), which its tests and
+scripts/bench_kernels.py hold it against. This package imports nothing of spin_batch.
 
 Whether a job runs on them is chosen once per job (spin_batch.models.loader.resolve_execution, from
 target.kernels and SPIN_BATCH_KERNELS); `problem()` says why they cannot run somewhere.

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, is_interpreted, launcher, require_triton, tl, triton
 
@@ -245,22 +246,39 @@ def varlen_attention_ref(
     max_seg_len: int,  # unused (kept for the same signature)
     tree_mask: torch.Tensor | None = None,  # [N] int64, as for varlen_attention
 ) -> torch.Tensor:  # [N, H, D]
-    """Torch reference: the runtime's own attention_ref on the same segment table, its trees read back
-    from tree_mask (ValueError where a segment's masks are not a tree's). Syncs to the host."""
-    from spin_batch.models.attention import attention_ref
-    from spin_batch.models.segments import Segments
-
-    starts = seg_starts.tolist()
-    parents = None if tree_mask is None else trees_from_mask(tree_mask.tolist(), starts)
-    seg = Segments(seg_slots.tolist(), starts, seg_cache_lens.tolist(), q.device, parents)
-    return attention_ref(q, cache_k, cache_v, seg)
+    """Torch reference, a scaled_dot_product_attention call per segment: query i of a segment sees its slot's
+    keys at rows <= cache_len + i; a tree token, the rows < cache_len and cache_len + j for each bit j of its
+    mask (ValueError where a segment's masks are not a tree's: trees_from_mask). Syncs to the host."""
+    slots, starts, cache_lens = seg_slots.tolist(), seg_starts.tolist(), seg_cache_lens.tolist()
+    bits = None if tree_mask is None else [x & ((1 << 64) - 1) for x in tree_mask.tolist()]  # as uint64
+    trees = [None] * len(slots) if bits is None else trees_from_mask(bits, starts)
+    out = torch.empty_like(q)
+    for s, slot in enumerate(slots):
+        a, b, c = starts[s], starts[s + 1], cache_lens[s]
+        n = b - a
+        if n == 0:
+            continue
+        total = c + n
+        qs = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        ks = cache_k[slot, :, :total].unsqueeze(0)  # [1, KV, total, D]
+        vs = cache_v[slot, :, :total].unsqueeze(0)
+        mask = None
+        if trees[s] is not None:
+            own = torch.tensor([[x >> j & 1 == 1 for j in range(n)] for x in bits[a:b]], device=q.device)  # [n, n]
+            mask = torch.cat((torch.ones(n, c, dtype=torch.bool, device=q.device), own), dim=1)  # [n, total]
+        elif n > 1:
+            key_pos = torch.arange(total, device=q.device)
+            query_pos = torch.arange(c, total, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]  # [n, total]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)  # [1, H, n, D]
+        out[a:b] = o[0].transpose(0, 1)
+    return out
 
 
 def trees_from_mask(bits: list[int], starts: list[int]) -> list[list[int] | None]:
     """[S] per segment: None where its tokens' masks are all 0, else the parents of its tree (each token's
-    parent is its latest ancestor). ValueError where the masks are not exactly that tree's."""
-    from spin_batch.models.segments import ancestor_mask, tree_problem
-
+    parent is its latest ancestor; the root, token 0, has -1). ValueError where the masks are not exactly
+    that tree's: every token's mask is its parent's plus its own bit, and only token 0 has no parent."""
     out: list[list[int] | None] = []
     for s, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
         seg_bits = [x & ((1 << 64) - 1) for x in bits[a:b]]  # as uint64
@@ -270,8 +288,9 @@ def trees_from_mask(bits: list[int], starts: list[int]) -> list[list[int] | None
         if b - a > 64:
             raise ValueError(f"tree_mask: segment {s} has {b - a} tokens; a tree takes at most 64")
         parents = [max((j for j in range(i) if x >> j & 1), default=-1) for i, x in enumerate(seg_bits)]
-        rows = None if tree_problem(parents, b - a) else ancestor_mask(parents).tolist()
-        if rows is None or any(x != sum(1 << j for j, on in enumerate(r) if on) for x, r in zip(seg_bits, rows)):
+        tree = all((p >= 0 or i == 0) and x == (1 << i) | (seg_bits[p] if p >= 0 else 0)
+                   for i, (p, x) in enumerate(zip(parents, seg_bits)))
+        if not tree:
             raise ValueError(f"tree_mask: segment {s}'s masks are not the ancestor-and-self masks of a tree")
         out.append(parents)
     return out

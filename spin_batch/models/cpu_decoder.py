@@ -1,5 +1,6 @@
-"""The decoder on CPU in C (cpu_decoder.c): its GEMMs, norms and attention, and all its layers in one
-call, compiled once per kind of machine.
+"""The decoder on CPU in C (cpu_decoder.c, which includes its parts from csrc/: the float32 and bfloat16
+GEMMs, the int8 and int4 GEMMs, argmax, attention): its GEMMs, norms and attention, and all its layers in
+one call, compiled once per kind of machine as one translation unit.
 
 What it holds, and why:
 - Panel GEMMs in float32 and bfloat16 at the loop's batch sizes (1 to a few dozen rows), where oneDNN's
@@ -20,7 +21,7 @@ Whether a model runs on these kernels or on oneDNN and torch is decided per mode
 BENCHMARKS.md and docs/kernels.md.
 
 The library is built with the system C compiler ($CC, else cc) with -O3 -march=$SPIN_BATCH_CPU_ARCH
-(default native) -fopenmp into $SPIN_BATCH_CACHE/cpu_decoder/, keyed by the source, the flags and the CPU's
+(default native) -fopenmp into $SPIN_BATCH_CACHE/cpu_decoder/, keyed by the sources (every file), the flags and the CPU's
 feature flags (a cache shared over NFS by different nodes keeps one build per kind). It links against
 the OpenMP runtime torch has already loaded, so torch.set_num_threads applies to it.
 
@@ -51,7 +52,8 @@ import torch
 
 from ..cachedir import cache_root, cached_file
 
-SOURCE = Path(__file__).with_name("cpu_decoder.c")
+SOURCE = Path(__file__).with_name("cpu_decoder.c")  # the translation unit; it includes PARTS/*.c, *.h
+PARTS = "csrc"
 CACHE = "cpu_decoder"  # the folder under $SPIN_BATCH_CACHE, and the builds' name
 LEGACY_CACHE = "cpu_gemm"  # the same, while this module was cpu_gemm.py
 BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
@@ -102,9 +104,20 @@ def machine_key() -> str:
     return _digest(" ".join(flags()).encode(), platform.machine().encode(), _cpu_flags().encode(), _compiler().encode())
 
 
+def sources() -> list[Path]:
+    """Every file of the library: SOURCE and the parts it includes (what the build key covers)."""
+    parts = SOURCE.parent / PARTS
+    return [SOURCE, *sorted(p for p in parts.iterdir() if p.suffix in (".c", ".h"))]
+
+
+def source_key() -> str:
+    """The digest of every source file, by its path under SOURCE's folder and its bytes."""
+    return _digest(*(p.relative_to(SOURCE.parent).as_posix().encode() + b"\0" + p.read_bytes() for p in sources()))
+
+
 def build_key() -> str:
-    """machine_key() and the source: what a measured plan (cpu_plan.py) is valid for."""
-    return f"{machine_key()}-{_digest(SOURCE.read_bytes())}"
+    """machine_key() and the sources: what a measured plan (cpu_plan.py) is valid for."""
+    return f"{machine_key()}-{source_key()}"
 
 
 def _build(compiler: str) -> Path:
@@ -175,8 +188,6 @@ def _load() -> None:
         lib.spin_gemm_pack_q4.argtypes = lib.spin_gemm_pack.argtypes
         lib.spin_head_q4.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_void_p]
         lib.spin_argmax_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
-        lib.spin_gemm_bf16_ok.argtypes = []
-        lib.spin_gemm_bf16_ok.restype = ctypes.c_int
         lib.spin_attention.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5
                                        + [ctypes.c_int64] * 5 + [ctypes.c_int])
         lib.spin_attention_max_head_dim.restype = ctypes.c_int
@@ -294,15 +305,14 @@ def panel_weight(weight: torch.Tensor, scale: torch.Tensor | None = None) -> Pan
     lib = library()
     if lib is None:
         return None
-    if weight.dtype == torch.bfloat16 and (not lib.spin_gemm_bf16_ok() or weight.shape[1] % 2):
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
         return None
     return PanelWeight(lib, weight, scale)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [M, V] -> [M] int64: logits.argmax(-1) (the first maximum; a NaN counts as the maximum). In C for
-    float32 rows on CPU where the library is loaded: torch's argmax over a 49152-id row took 64 us (28 rows 1 ms),
-    about a percent of a speculative step at one slot, paid at every draft and verify."""
+    float32 rows on CPU where the library is loaded (it runs at every draft and verify)."""
     lib = _state.get("lib")
     if (lib is None or logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu"
             or logits.stride(1) != 1 or logits.shape[1] == 0):

@@ -1,7 +1,9 @@
 """Distilled drafts tied to their target: the on-disk format written by `spin-batch distill`.
 
-A distilled draft is a Hugging Face-style directory (config.json, model.safetensors, the
-target's tokenizer files). Its config.json is a plain Llama config of the draft's own decoder
+A distilled draft is a Hugging Face-style directory (config.json, model.safetensors; `spin-batch
+distill` also copies the target's tokenizer files beside them, which nothing reads: a draft proposes
+the target's token ids and runs with the target's tokenizer, so a draft folder needs none, as the
+shipped examples/drafts have none). Its config.json is a plain Llama config of the draft's own decoder
 (hidden_size, layers, heads) with one extra block, "spin_batch_draft":
 
     target_fingerprint      identifies the target it was distilled for (see fingerprint())

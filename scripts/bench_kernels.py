@@ -1,13 +1,16 @@
 """Time the Triton kernels against their torch references on the GPU.
 
-    python -m spin_kernels.bench_kernels [--slots 64 --context 1024 --heads 9 --kv-heads 3
-                                         --head-dim 64 --dtype bf16]
+    python scripts/bench_kernels.py [--slots 64 --context 1024 --heads 9 --kv-heads 3
+                                    --head-dim 64 --dtype bf16]
 
 Attention is timed for a decode batch (every slot 1 new token), a verify batch (1 + gamma
 tokens) and a prefill chunk batch, all at the given context; the reported bandwidth is the
 bytes of K/V the packed batch must read (each slot's valid length, once per KV head) divided by
 the time. Without CUDA it runs a tiny configuration under the Triton interpreter, only to
 exercise the script (those timings mean nothing).
+
+A script, not part of either package: it holds the kernels (spin_kernels) against the runtime's
+torch rules (spin_batch), and spin_kernels imports nothing of spin_batch.
 """
 
 from __future__ import annotations
@@ -18,8 +21,7 @@ import time
 import torch
 
 from spin_batch.engine.verify import accept_ref
-
-from . import accept, kv_write, kv_write_ref, varlen_attention, varlen_attention_ref
+from spin_kernels import accept, kv_write, kv_write_ref, varlen_attention, varlen_attention_ref
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -1,12 +1,14 @@
 """Compile the kernels' real launches for an NVIDIA GPU without one (ptxas ships with triton).
 
-    TRITON_INTERPRET=0 python -m spin_kernels.aot_check [--arch 90] [--quick]
+    TRITON_INTERPRET=0 python scripts/aot_check.py [--arch 90] [--quick]
 
 Each public wrapper is called on small CPU tensors with its launch intercepted; the launch it
 would make (argument types, constexprs, num_warps, num_stages) is compiled to a cubin for the
 given compute capability, and the shared memory each needs is printed. Interpreted kernels
 cannot be compiled: without a GPU, set TRITON_INTERPRET=0 (else spin_kernels turns the
 interpreter on when it imports triton).
+
+A build check for developers and CI (tests/test_kernels.py runs it), not part of the kernels package.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ def compile_launch(module_name: str, wrapper: str, *args, arch: int = 90, **kwar
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ._triton import is_interpreted
+    from spin_kernels._triton import is_interpreted
 
-    mod = importlib.import_module(f"{__package__}.{module_name}")
+    mod = importlib.import_module(f"spin_kernels.{module_name}")
     launches = []
 
     class _Recorder:
