@@ -133,7 +133,7 @@ def new_token_rows(drafts: list[list[int]], paths: list[list[int] | None] | None
     starts = [0, *accumulate(len(d) + 1 for d in drafts)]
     paths = paths if paths is not None else [None for _ in drafts]
     rows = [[a + r for r in [0, *(range(1, k + 1) if p is None else p)]]
-            for a, k, p in zip(starts, accepted, paths)]
+            for a, k, p in zip(starts[:-1], accepted, paths)]  # the verdict's entries past drafts: finishing
     return rows + [[starts[-1] + j] for j in range(finishing)]
 
 
