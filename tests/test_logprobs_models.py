@@ -79,7 +79,7 @@ def test_embedded_model_prompt_logprobs_equal_transformers(tmp_path):
                      "sampling": {"max_tokens": 0, "prompt_logprobs": K}})
     eng = build_engine(job)
     ids = eng.tokenizer.encode(text)
-    assert len(ids) > 32
+    assert len(ids) > 16  # two chunks at least
     done: list[Completion] = []
     eng.loop.run(iter([Request("m#0", "0", text, None)]), lambda r: ids, done.append)
     (c,) = done
