@@ -1,10 +1,10 @@
 """Token logprobs under speculation equal plain decoding's; prompt logprobs equal a transformers forward.
 
-Every drafter kind (n-gram, early exit, model drafters, vote, cascade) drafts chains (MixedGamma) or
-token trees (TreeShapes) at 1, 4 and 16 slots, greedy and sampled, on both CPU paths of
-test_spec_equality's `target` (the torch path, slower, at 4 slots). The reference is plain decoding teacher-forced on the same tokens: the
-prompt prefilled, then one token a forward, so a sampled run (whose text speculation changes) is
-checked as strictly as a greedy one. On the C path the floats are the same; on the torch path within
+Every drafter kind (n-gram, early exit, model drafters, vote, cascade, random trees) drafts chains or
+token trees (EveryKind) at 1, 4 and 16 slots, greedy and sampled, on both CPU paths of
+test_spec_equality's `target` (the torch path, slower, at 4 slots). The reference is plain decoding
+teacher-forced on the same tokens: the prompt prefilled, then one token a forward, so a sampled run
+(whose text speculation changes) is checked as strictly as a greedy one. On the C path the floats are the same; on the torch path within
 1e-4 (its rows depend on the batch), with the same top ids but for near-ties.
 """
 
@@ -25,7 +25,7 @@ from spin_batch.selection.policy import NO_SPEC, Choice, Policy
 
 from test_spec_equality import (MAX_TOKENS, PROMPTS, MixedGamma, early_exit_all, self_model,  # noqa: F401
                                 target)
-from test_tree_loop import TreeShapes, _composites, random_trees, watch_plans
+from test_tree_loop import _composites, random_trees, watch_plans
 
 SAMPLED = SamplingParams(0.8, top_k=40, top_p=0.9)
 K = 5
@@ -67,7 +67,9 @@ def run(target, slots, policy, sampling=SamplingParams(), draft_dir=None, ask=Lo
     loop = BatchLoop(model, tok, settings, policy, {}, cache)
     if draft_dir is not None:
         loop.drafters = drafters(model, cache, slots, draft_dir)
-    reqs = [Request(f"mem#{i}", str(i), p, None, params=(params or {}).get(i, RowParams())) for i, p in enumerate(prompts)]
+    run.seen = watch_plans(loop)
+    reqs = [Request(f"mem#{i}", str(i), p, None, params=(params or {}).get(i, RowParams()))
+            for i, p in enumerate(prompts)]
     done: list[Completion] = []
     loop.run(iter(reqs), lambda r: tok.encode(r.prompt), done.append)
     assert len(done) == len(prompts) and all(c.status == "ok" for c in done)
@@ -136,6 +138,7 @@ def test_logprobs_under_speculation_equal_plain_decoding(target, tiny_draft_dir,
     drafted = run.loop.stats.summary()["drafters"]
     assert all(drafted[n]["draft_tokens"] > 0 for n in names), drafted
     assert sum(drafted[n]["accepted_draft_tokens"] for n in names) > 0
+    assert (run.seen["branching"] > 0) == (shape == "trees"), run.seen
     check_against_plain(target, done, sampling, sampled)
 
 
@@ -144,23 +147,6 @@ def c_target(tiny_dir):
     """The C path only, for the checks that do not depend on the path."""
     model = load_model(tiny_dir, plan=execution.forced("c"))
     return model, load_tokenizer(tiny_dir)
-
-
-def test_trees_branch_in_the_logprob_runs(c_target, tiny_draft_dir):
-    """The tree runs above verify branching trees (so a token's row is a tree node's, not a chain's)."""
-    target = c_target
-    model, tok = target
-    settings = LoopSettings(slots=4, max_model_len=128, max_num_batched_tokens=64, max_tokens=MAX_TOKENS,
-                            sampling=SamplingParams(), ignore_eos=True, logprobs=LogprobAsk(K))
-    cache = model.allocate_cache(4, 128)
-    loop = BatchLoop(model, tok, settings, TreeShapes(["self", "random_trees"]), {}, cache)
-    loop.drafters = drafters(model, cache, 4, tiny_draft_dir)
-    seen = watch_plans(loop)
-    done: list[Completion] = []
-    loop.run(iter([Request(f"m#{i}", str(i), p, None) for i, p in enumerate(PROMPTS)]),
-             lambda r: tok.encode(r.prompt), done.append)
-    assert seen["branching"] > 0
-    check_against_plain(target, {c.request.id: c for c in done}, SamplingParams(), False)
 
 
 def test_sampled_rows_default_to_the_raw_distribution(c_target, tiny_draft_dir):
@@ -218,7 +204,8 @@ def test_prompt_logprobs_equal_a_transformers_forward(target, tiny_dir, slots):
         top = torch.topk(want, K, dim=-1)
         torch.testing.assert_close(torch.tensor([e.top_logprobs for e in got[1:]]), top.values, atol=1e-4, rtol=0)
         assert [list(e.top_ids) for e in got[1:]] == top.indices.tolist()
-        assert [e.rank for e in got[1:]] == ((want > want.gather(1, torch.tensor(ids[1:])[:, None])).sum(-1) + 1).tolist()
+        chosen = want.gather(1, torch.tensor(ids[1:])[:, None])
+        assert [e.rank for e in got[1:]] == ((want > chosen).sum(-1) + 1).tolist()
 
 
 def test_prompt_logprobs_do_not_change_the_text(c_target, tiny_draft_dir):

@@ -90,7 +90,8 @@ def test_openai_lines_answer_in_openais_logprobs_shapes(tmp_path, tiny_dir):
     lp = text.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     assert all(len(d) <= 2 for d in lp.top_logprobs)
-    assert lp.text_offset[0] == 0 and all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+    assert lp.text_offset[0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
     assert "".join(lp.tokens) == text.text  # the tiny tokenizer decodes token by token
     assert prompt_lps[0] is None and len(prompt_lps) == body["usage"]["prompt_tokens"]
     for entry in prompt_lps[1:]:

@@ -88,7 +88,7 @@ class Plan:
     trees: list[list[int] | None]  # [len(decode)] a token tree's node parents (DraftTree), None for a chain
     seg: Segments
     flat: torch.Tensor  # [N] token ids
-    logits_rows: list[int]  # rows that need logits: every decode row, the last row of finishing chunks
+    logits_rows: list[int]  # rows that need logits: every decode row, the last row of finishing chunks, then `prompt`s
     finishing: list[Slot]  # slots whose prompt completes in this step (they take their first token)
     # (slot, first position, rows) of prompt chunks scored for prompt logprobs: their rows close logits_rows
     prompt: list[tuple[Slot, int, int]] = field(default_factory=list)
