@@ -26,6 +26,7 @@ from .drafters.early_exit import EarlyExitDrafter
 from .drafters.model import FeatureDrafter, ModelDrafter
 from .drafters.ngram import NgramDrafter
 from .drafters.vote import VoteDrafter
+from .engine.logprobs import LogprobAsk
 from .engine.loop import BatchLoop, LoopSettings
 from .models import cpu_plan, loader
 from .models.distilled import TargetFeatures, draft_meta, load_draft
@@ -181,6 +182,7 @@ def loop_settings(job: JobConfig, eos: frozenset[int], device: torch.device) -> 
         ignore_eos=s.ignore_eos,
         eos_token_ids=eos,
         pipeline=pipeline,
+        logprobs=LogprobAsk(s.logprobs, s.prompt_logprobs, s.logprobs_mode == "processed_logprobs"),
     )
 
 

@@ -37,7 +37,7 @@ def _model_ref(ref: str) -> str:
 
 
 def fingerprint(job: JobConfig) -> dict[str, Any]:
-    """The settings that change a row's text, as plain JSON data."""
+    """The settings that change a row's text (or its logprobs columns), as plain JSON data."""
     s, i = job.sampling, job.input
     fp: dict[str, Any] = {
         "target.model": _model_ref(job.target.model),
@@ -58,6 +58,9 @@ def fingerprint(job: JobConfig) -> dict[str, Any]:
     rows_may_sample = i.format == "openai" or i.params_column is not None
     if not s.greedy or rows_may_sample:
         fp.update({"sampling.seed": s.seed, "sampling.top_p": s.top_p, "sampling.top_k": s.top_k})
+    if s.logprobs is not None or s.prompt_logprobs is not None:  # the rows' logprobs columns
+        fp.update({"sampling.logprobs": s.logprobs, "sampling.prompt_logprobs": s.prompt_logprobs,
+                   "sampling.logprobs_mode": s.logprobs_mode})
     return json.loads(json.dumps(fp))
 
 

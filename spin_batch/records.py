@@ -10,6 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+#: The most top tokens a request may ask for, per generated or prompt token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+#: Which distribution logprobs are taken from (vLLM's logprobs_mode names): the raw logits' or the sampler's.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
 
 @dataclass(frozen=True)
 class RowParams:
@@ -19,12 +24,14 @@ class RowParams:
     take them as they are.
     """
 
-    max_tokens: int | None = None  # >= 1
+    max_tokens: int | None = None  # >= 0; 0: score the prompt only
     temperature: float | None = None  # >= 0; 0: greedy
     top_p: float | None = None  # (0, 1]
     top_k: int | None = None  # >= 0; 0: off
     stop: tuple[str, ...] | None = None  # stop strings (each non-empty)
     seed: int | None = None  # the row's random stream (sampling); else derived from the job seed and the id
+    logprobs: int | None = None  # 0..20: each generated token's log-probability and this many top tokens
+    prompt_logprobs: int | None = None  # 0..20: the same for each prompt token (vLLM's extension)
 
 
 NO_PARAMS = RowParams()
@@ -69,6 +76,23 @@ class Request:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the target at its position, with the most likely tokens there.
+
+    ``rank`` is the token's place in that distribution (1: the most likely). The top lists hold the
+    K tokens the request asked for, most likely first (empty when it asked for 0).
+    """
+
+    token_id: int
+    token: str  # the token decoded alone
+    logprob: float
+    rank: int
+    top_ids: tuple[int, ...] = ()
+    top_tokens: tuple[str, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class Completion:
     """The engine's answer to one Request: a completion, or an error (status "error")."""
 
@@ -85,6 +109,9 @@ class Completion:
     decode_time_s: float = 0.0
     token_ids: tuple[int, ...] = ()  # the generated token ids (what the bench compares across methods)
     share_s: float = 0.0  # the request's share of the steps' wall time (a step's time / the slots it served)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # [completion_tokens] when the request asked for them
+    # [prompt_tokens] when it asked for them; the first is None (no distribution comes before it)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def status(self) -> Literal["ok", "error"]:

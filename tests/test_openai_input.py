@@ -98,7 +98,7 @@ def test_stop_list_and_empty_list(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"max_tokens": 0}, "body.max_tokens must be an integer >= 1, got 0"),
+    ({"max_tokens": -1}, "body.max_tokens must be an integer >= 0, got -1"),
     ({"max_completion_tokens": "64"}, 'body.max_completion_tokens must be an integer, got "64"'),
     ({"max_tokens": 12.0}, "body.max_tokens must be an integer, got 12.0"),
     ({"temperature": -0.1}, "body.temperature must be a number >= 0, got -0.1"),
@@ -116,8 +116,10 @@ def test_stop_list_and_empty_list(tmp_path: Path) -> None:
     ({"seed": 2**63}, "body.seed must be a 64-bit signed integer"),
     ({"n": 2}, "body.n = 2 is not supported"),
     ({"best_of": 3}, "body.best_of = 3 is not supported"),
-    ({"logprobs": True}, "body.logprobs = true is not supported: it would change the output"),
-    ({"top_logprobs": 5}, "body.top_logprobs = 5 is not supported"),
+    ({"logprobs": 3}, "body.logprobs must be true or false, got 3"),
+    ({"top_logprobs": 5}, "body.top_logprobs needs body.logprobs: true"),
+    ({"logprobs": True, "top_logprobs": 21}, "body.top_logprobs must be an integer in [0, 20], got 21"),
+    ({"prompt_logprobs": -1}, "body.prompt_logprobs must be an integer in [0, 20], got -1"),
     ({"stream": True}, "body.stream = true is not supported"),
     ({"echo": True}, "body.echo = true is not supported"),
     ({"suffix": "end"}, 'body.suffix = "end" is not supported'),
@@ -246,10 +248,10 @@ def test_keep_columns_of_openai_lines(tmp_path: Path) -> None:
 
 
 def test_check_input_names_the_first_bad_line(tmp_path: Path) -> None:
-    lines = [chat("a"), completion("b"), "", chat("c", logprobs=True), chat("d", n=3), chat("e", temperature=-1)]
+    lines = [chat("a"), completion("b"), "", chat("c", echo=True), chat("d", n=3), chat("e", temperature=-1)]
     path = write_jsonl(tmp_path / "batch.jsonl", lines).resolve()
     problems = check_input([path])
-    assert problems[0] == (f"2 bad rows (unsupported field); first at {path}#3 (line 4): body.logprobs = true is "
+    assert problems[0] == (f"2 bad rows (unsupported field); first at {path}#3 (line 4): body.echo = true is "
                            "not supported: it would change the output, and spin-batch takes only false or null")
     assert problems[1].startswith(f"1 bad row (bad params); first at {path}#5 (line 6): body.temperature")
     assert len(problems) == 2
@@ -332,7 +334,7 @@ def test_a_run_over_an_openai_file(tmp_path: Path, tiny_dir: Path) -> None:
         {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
          "body": {"model": "tiny", "messages": messages, "max_completion_tokens": 4}},
         completion("text-1", prompt="the quick brown fox", max_tokens=4),
-        completion("bad-1", prompt="the moon", logprobs=True),
+        completion("bad-1", prompt="the moon", logprobs=True),  # a completions body counts its top tokens
     ]
     src = write_jsonl(tmp_path / "in" / "batch.jsonl", lines)
     job, out = make_job(tmp_path, tiny_dir, [src], sampling={"max_tokens": 6})
@@ -343,4 +345,4 @@ def test_a_run_over_an_openai_file(tmp_path: Path, tiny_dir: Path) -> None:
     assert rows["text-1"]["prompt_tokens"] == len(tok.encode("the quick brown fox"))
     templated = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert rows["chat-1"]["prompt_tokens"] == len(tok.encode(templated, add_special_tokens=False))
-    assert rows["bad-1"]["status"] == "error" and "body.logprobs = true" in rows["bad-1"]["error"]
+    assert rows["bad-1"]["status"] == "error" and "body.logprobs must be an integer, got true" in rows["bad-1"]["error"]

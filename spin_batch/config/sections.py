@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..records import LOGPROBS_MODES, MAX_LOGPROBS
 from .parsing import (
     BACKENDS,
     _bool,
@@ -259,6 +260,10 @@ class SamplingConfig:
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # each generated / prompt token's log-probability and its top K (null: none; 0: the token's only)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
 
     @property
     def greedy(self) -> bool:
@@ -272,7 +277,10 @@ class SamplingConfig:
             top_p=s.take("top_p", _num(lambda x: 0 < x <= 1, "in (0, 1]")),
             top_k=s.take("top_k", _top_k),
             seed=s.take("seed", _int()),
-            max_tokens=s.take("max_tokens", _int(lo=1)),
+            max_tokens=s.take("max_tokens", _int(lo=0)),
             stop=s.take("stop", _texts(nonempty=False)),
             ignore_eos=s.take("ignore_eos", _bool),
+            logprobs=s.take("logprobs", _optional(_int(lo=0, hi=MAX_LOGPROBS))),
+            prompt_logprobs=s.take("prompt_logprobs", _optional(_int(lo=0, hi=MAX_LOGPROBS))),
+            logprobs_mode=s.take("logprobs_mode", _choice(*LOGPROBS_MODES)),
         )

@@ -24,6 +24,7 @@ from ..stats import RunStats, StepRecord
 from ..selection.policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
 from ..records import Completion, Request
 from ..sampling import SamplingParams, make_generator
+from .logprobs import NO_LOGPROBS, LogprobAsk, Scored, TokenTexts, prompt_rows, score_new_tokens, score_prompts
 from .stopping import Stopping, StopRule
 from .tree_verify import DraftTree, accept_trees
 from .verify import Verdict, accept_drafts
@@ -41,6 +42,7 @@ class LoopSettings:
     ignore_eos: bool = False
     eos_token_ids: frozenset[int] = frozenset()
     pipeline: bool = False  # two micro-batches: one drafts while the other verifies
+    logprobs: LogprobAsk = NO_LOGPROBS  # the job's; a row's own logprobs / prompt_logprobs override it
 
 
 @dataclass
@@ -63,6 +65,9 @@ class Slot:
     share_s: float = 0.0  # this request's share of step wall time (step time / slots in the step)
     finish_reason: str | None = None
     text: str | None = None
+    ask: LogprobAsk = NO_LOGPROBS  # the log-probabilities it asks for, kept below as they come
+    logprobs: list[Scored] = field(default_factory=list)
+    prompt_logprobs: list[Scored | None] = field(default_factory=lambda: [None])
 
     @property
     def decoding(self) -> bool:
@@ -83,8 +88,10 @@ class Plan:
     trees: list[list[int] | None]  # [len(decode)] a token tree's node parents (DraftTree), None for a chain
     seg: Segments
     flat: torch.Tensor  # [N] token ids
-    logits_rows: list[int]  # rows that need logits: every decode row, the last row of finishing chunks
+    logits_rows: list[int]  # rows that need logits: every decode row, the last row of finishing chunks, then `prompt`s
     finishing: list[Slot]  # slots whose prompt completes in this step (they take their first token)
+    # (slot, first position, rows) of prompt chunks scored for prompt logprobs: their rows close logits_rows
+    prompt: list[tuple[Slot, int, int]] = field(default_factory=list)
 
 
 class BatchLoop:
@@ -114,6 +121,7 @@ class BatchLoop:
                                if d.features is not None}.values())
         # whether the target's forward verifies token-tree segments (the transformers backend does not)
         self.tree_segments = getattr(target, "tree_segments", True)
+        self.texts = TokenTexts(tokenizer)
 
     # -- admission ----------------------------------------------------------------------
 
@@ -121,7 +129,8 @@ class BatchLoop:
         idx = self.slots.index(None)
         sp, rule = self.settings_of(req)
         gen = None if sp.greedy else make_generator(self.cfg.seed, req.id or req.source, req.params.seed)
-        self.slots[idx] = Slot(idx, req, len(prompt_ids), list(prompt_ids), sp, rule, gen)
+        ask = self.cfg.logprobs.of_row(req.params.logprobs, req.params.prompt_logprobs, rule.max_tokens)
+        self.slots[idx] = Slot(idx, req, len(prompt_ids), list(prompt_ids), sp, rule, gen, ask=ask)
         for d in self.drafters.values():
             d.on_admit(idx)
         self.policy.on_admit(idx, req.id)
@@ -174,6 +183,7 @@ class BatchLoop:
             plan = self.plan(mb, proposal.tokens, prefill=i == 0, trees=proposal.parents)
             overlap = self._overlap_begin() if i + 1 < len(groups) else None
             logits = self.verify(plan)
+            logits = score_prompts(plan.prompt, logits) if plan.prompt else logits
             t = _lap(times, "verify", t)
             nxt_times: dict[str, float] = {}
             if overlap is not None:  # the next micro-batch drafts while this one verifies
@@ -181,9 +191,11 @@ class BatchLoop:
                     nxt = self.draft(*groups[i + 1])
                 t = _lap(nxt_times, "draft", t)
             verdict = self.accept(plan, proposal, logits)
+            served = plan.decode + plan.finishing
+            scored = score_new_tokens(logits, [s.ask for s in served], [s.sp for s in served], plan.drafts, verdict)
             t = _lap(times, "accept", t)
             self._charge(plan, sum(times.values()))
-            generated = self.commit(plan, verdict)
+            generated = self.commit(plan, verdict, scored)
             t = _lap(times, "commit", t)
             self._learn(plan, mb_choices, verdict, draft_s, times)
             t = _lap(times, "learn", t)
@@ -305,13 +317,16 @@ class BatchLoop:
             flat.append(s.tokens[-1])
             flat.extend(d)
         budget = max(self.cfg.max_num_batched_tokens - len(flat), 1)
-        chunks, finishing = [], []
+        chunks, finishing, prompt, prompt_flat = [], [], [], []
         for s in self.active if prefill else []:
             if s.decoding or budget <= 0:
                 continue
             n = min(s.prompt_len - s.prefilled, budget)
             budget -= n
             parts.append((s.index, n, s.prefilled))
+            if s.ask.prompt_logprobs is not None and (m := prompt_rows(s.prompt_len, s.prefilled, n)):
+                prompt.append((s, s.prefilled, m))
+                prompt_flat.extend(range(len(flat), len(flat) + m))
             flat.extend(s.tokens[s.prefilled : s.prefilled + n])
             chunks.append((s, n))
             if s.prefilled + n == s.prompt_len:
@@ -323,7 +338,7 @@ class BatchLoop:
             seg_parents += [None for _ in chunks]
         seg = Segments.build(parts, self.target.device, seg_parents)
         flat_t = torch.tensor(flat, dtype=torch.long, device=self.target.device)
-        return Plan(decode, chunks, drafts, trees, seg, flat_t, rows, finishing)
+        return Plan(decode, chunks, drafts, trees, seg, flat_t, rows + prompt_flat, finishing, prompt)
 
     def verify(self, plan: Plan) -> torch.Tensor:
         """The step's one packed target forward; logits [len(plan.logits_rows), V]."""
@@ -357,16 +372,17 @@ class BatchLoop:
         return Verdict([v.accepted for v in got], [v.tokens for v in got],
                        [None if t is None else v.segment_path() for v, t in zip(got, shapes)])
 
-    def commit(self, plan: Plan, verdict: Verdict) -> int:
-        """Append new tokens, roll caches back to the committed length, finish and free slots."""
+    def commit(self, plan: Plan, verdict: Verdict, scored: list[list[Scored]] | None = None) -> int:
+        """Append new tokens (and the logprobs of those kept), roll caches back, finish and free slots."""
         for s, n in plan.chunks:
             s.prefilled += n
         if verdict.paths is not None:
             self._keep_paths(plan, verdict)
         generated = 0
-        for s, new, k, d in zip(plan.decode + plan.finishing, verdict.tokens, verdict.accepted,
-                                plan.drafts + [[] for _ in plan.finishing]):
+        for i, (s, new, k, d) in enumerate(zip(plan.decode + plan.finishing, verdict.tokens, verdict.accepted,
+                                               plan.drafts + [[] for _ in plan.finishing])):
             kept = self._append(s, new)
+            s.logprobs.extend(scored[i][:kept] if scored is not None else ())
             if d:
                 s.spec_steps += 1
                 s.draft_tokens += len(d)
@@ -406,6 +422,9 @@ class BatchLoop:
             s.share_s += seconds / len(served)
 
     def _append(self, s: Slot, new: list[int]) -> int:
+        if s.rule.max_tokens == 0:  # a scoring request: its prompt is all it has
+            s.finish_reason, s.text = "length", ""
+            return 0
         got = self.stopping.extend(s.tokens, s.prompt_len, new, s.rule)
         if got.finish_reason is not None:
             s.finish_reason, s.text = got.finish_reason, got.text
@@ -419,6 +438,8 @@ class BatchLoop:
             num_spec_steps=s.spec_steps, num_draft_tokens=s.draft_tokens, num_accepted_draft_tokens=s.accepted_tokens,
             drafter_pulls=dict(s.pulls), decode_time_s=time.perf_counter() - s.t_start,
             token_ids=tuple(gen), share_s=s.share_s,
+            logprobs=None if s.ask.logprobs is None else tuple(map(self.texts.record, s.logprobs)),
+            prompt_logprobs=None if s.ask.prompt_logprobs is None else tuple(map(self.texts.record, s.prompt_logprobs)),
         ))
         self.stats.observe_row("ok", s.prompt_len)
         self.slots[s.index] = None
@@ -500,7 +521,7 @@ class BatchLoop:
         except ValueError as e:
             self.stats.observe_row("error", 0)
             return Completion.failed(req, str(e))
-        if len(ids) + 1 > self.cfg.max_model_len:
+        if len(ids) + (self.settings_of(req)[1].max_tokens > 0) > self.cfg.max_model_len:
             self.stats.observe_row("error", 0)
             return Completion.failed(req, f"prompt has {len(ids)} tokens; max_model_len {self.cfg.max_model_len} "
                                           "leaves no room to generate", prompt_tokens=len(ids))

@@ -15,6 +15,15 @@ counts. An error row answers as vLLM's batch runner does: ``status_code`` 400, n
 ``<key>`` is derived from the row's source and creation time, so exporting the same rows twice
 gives the same bytes. A row from a part written before the endpoint, model and created columns
 existed answers as a text completion, by ``default_model``, created at 0.
+
+A row with token logprobs (the ``logprobs`` column) answers with ``choices[0].logprobs`` in its
+endpoint's shape: chat's ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}],
+"refusal": null}``, completions' ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
+"text_offset"}``. As in vLLM: a token's text is the token decoded alone, its bytes that text's UTF-8,
+a log-probability of -inf is written -9999.0 (JSON has no infinity), and ``text_offset`` counts
+characters from the start of the completion. A row with prompt logprobs also carries vLLM's
+``prompt_logprobs`` in its body: per prompt token null (the first) or ``{token id: {"logprob", "rank",
+"decoded_token"}}`` for the token and its top ones.
 """
 
 from __future__ import annotations
@@ -33,14 +42,56 @@ def _key(row: Mapping[str, Any]) -> str:
     return hashlib.sha256(f"{row['source']}\0{row.get('created')}".encode()).hexdigest()[:24]
 
 
+_FLOOR = -9999.0  # vLLM's stand-in for a log-probability of -inf
+
+
+def _lp(value: float) -> float:
+    return max(value, _FLOOR)
+
+
+def _chat_logprobs(entries: list[Mapping[str, Any]]) -> dict[str, Any]:
+    def one(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8", errors="replace"))}
+
+    return {"content": [{**one(e["token"], e["logprob"]),
+                         "top_logprobs": [one(t, v) for t, v in zip(e["top_tokens"], e["top_logprobs"])]}
+                        for e in entries], "refusal": None}
+
+
+def _completion_logprobs(entries: list[Mapping[str, Any]]) -> dict[str, Any]:
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [_lp(e["logprob"]) for e in entries],
+            "top_logprobs": [{t: _lp(v) for t, v in zip(e["top_tokens"], e["top_logprobs"])} for e in entries],
+            "text_offset": offsets}
+
+
+def _prompt_logprobs(entries: list[Mapping[str, Any] | None]) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: per prompt token, its entry and its top ones by token id."""
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        top = {str(i): {"logprob": _lp(v), "rank": r, "decoded_token": t}
+               for r, (i, t, v) in enumerate(zip(e["top_ids"], e["top_tokens"], e["top_logprobs"]), 1)}
+        out.append({str(e["token_id"]): {"logprob": _lp(e["logprob"]), "rank": e["rank"], "decoded_token": e["token"]},
+                    **{i: v for i, v in top.items() if i != str(e["token_id"])}})
+    return out
+
+
 def _body(row: Mapping[str, Any], key: str, default_model: str) -> dict[str, Any]:
     chat = row.get("endpoint") == "chat"
     choice: dict[str, Any] = {"index": 0, "finish_reason": row["finish_reason"], "logprobs": None}
+    if row.get("logprobs") is not None:
+        choice["logprobs"] = (_chat_logprobs if chat else _completion_logprobs)(row["logprobs"])
     if chat:
         choice["message"] = {"role": "assistant", "content": row["text"]}
     else:
         choice["text"] = row["text"]
-    return {
+    body = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{key}",
         "object": "chat.completion" if chat else "text_completion",
         "created": row.get("created") or 0,
@@ -49,6 +100,9 @@ def _body(row: Mapping[str, Any], key: str, default_model: str) -> dict[str, Any
         "usage": {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["completion_tokens"],
                   "total_tokens": row["prompt_tokens"] + row["completion_tokens"]},
     }
+    if row.get("prompt_logprobs") is not None:
+        body["prompt_logprobs"] = _prompt_logprobs(row["prompt_logprobs"])
+    return body
 
 
 def response_line(row: Mapping[str, Any], default_model: str) -> dict[str, Any]:

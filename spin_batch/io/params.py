@@ -1,9 +1,13 @@
 """A row's own generation settings: one check for an OpenAI request body and a params column.
 
 Both name the same sampling fields (``max_tokens`` / ``max_completion_tokens``, ``temperature``,
-``top_p``, ``top_k``, ``stop``, ``seed``); :func:`row_params` checks them once and gives a
-:class:`RowParams`, a field absent or null taking the job's value. A bad value raises
-:class:`ParamError`, which the reader turns into an error row.
+``top_p``, ``top_k``, ``stop``, ``seed``, ``logprobs``, ``prompt_logprobs``); :func:`row_params`
+checks them once and gives a :class:`RowParams`, a field absent or null taking the job's value. A bad
+value raises :class:`ParamError`, which the reader turns into an error row.
+
+``logprobs`` is a count of top tokens (0..20) in a params column, in a ``/v1/completions`` body and in
+vLLM's ``prompt_logprobs``; a ``/v1/chat/completions`` body asks with ``logprobs: true`` and
+``top_logprobs: K``, as OpenAI's chat API does.
 
 An OpenAI body may hold more than sampling fields. :func:`body_params` accepts the few that do not
 change the text (``model``, which is echoed, ``user``, ``metadata`` ...) and fields that spin-batch
@@ -16,15 +20,17 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from numbers import Integral, Real
 from typing import Any
 
-from ..records import NO_PARAMS, RowParams
+from ..records import MAX_LOGPROBS, NO_PARAMS, RowParams
 
 __all__ = ["SAMPLING_FIELDS", "ParamError", "body_params", "column_params", "row_params"]
 
 #: The per-row sampling fields, in an OpenAI body and in a params column alike.
-SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed", "logprobs",
+                   "prompt_logprobs")
 
 #: Body fields that do not change the text: accepted and ignored (``model`` is echoed).
 IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options",
@@ -35,8 +41,7 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "n": 1,
     "best_of": 1,
     "stream": False,
-    "logprobs": False,
-    "top_logprobs": 0,
+    "top_logprobs": 0,  # a /v1/completions body's (a chat body's asks for logprobs: _chat_logprobs)
     "echo": False,
     "suffix": "",
     "presence_penalty": 0,
@@ -118,7 +123,7 @@ def _top_k(name: str, value: Any) -> int:
 
 def _max_tokens(fields: Mapping[str, Any], where: str) -> int | None:
     """``max_completion_tokens`` (OpenAI's name now) or ``max_tokens``; both given must agree."""
-    given = {key: _integer(f"{where}{key}", fields[key], 1) for key in ("max_tokens", "max_completion_tokens")
+    given = {key: _integer(f"{where}{key}", fields[key], 0) for key in ("max_tokens", "max_completion_tokens")
              if fields.get(key) is not None}
     if len(set(given.values())) > 1:
         raise ParamError("bad params", f"{where}max_tokens ({given['max_tokens']}) and {where}max_completion_tokens "
@@ -130,7 +135,7 @@ def row_params(fields: Mapping[str, Any], where: str = "") -> RowParams:
     """The settings the sampling fields of ``fields`` ask for; an absent or null field is the job's.
 
     ``where`` prefixes field names in messages (``"body."``). Raises ParamError for a wrong type,
-    a value out of range (temperature < 0, top_p outside (0, 1], max_tokens < 1, ...), NaN or inf.
+    a value out of range (temperature < 0, top_p outside (0, 1], max_tokens < 0, logprobs > 20 ...), NaN or inf.
     """
 
     def get(key: str, check) -> Any:
@@ -144,7 +149,27 @@ def row_params(fields: Mapping[str, Any], where: str = "") -> RowParams:
         top_k=get("top_k", _top_k),
         stop=get("stop", _stop),
         seed=get("seed", lambda n, v: _integer(n, v, *_INT64, expected="a 64-bit signed integer")),
+        logprobs=get("logprobs", _logprobs),
+        prompt_logprobs=get("prompt_logprobs", _logprobs),
     )
+
+
+def _logprobs(name: str, value: Any) -> int:
+    return _integer(name, value, 0, MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """A chat body's ask, as OpenAI's chat API takes it: ``logprobs: true`` and ``top_logprobs: K`` (0..20;
+    absent: 0); ``top_logprobs`` other than 0 needs ``logprobs: true``."""
+    on, top = body.get("logprobs"), body.get("top_logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise _bad("body.logprobs", "true or false", on)
+    k = None if top is None else _logprobs("body.top_logprobs", top)
+    if on:
+        return k or 0
+    if k:
+        raise ParamError("bad params", "body.top_logprobs needs body.logprobs: true")
+    return None
 
 
 def column_params(value: Any, column: str) -> RowParams:
@@ -168,8 +193,9 @@ def _same(value: Any, neutral: Any) -> bool:
 def body_params(body: Mapping[str, Any], content_field: str) -> RowParams:
     """An OpenAI request body's settings. ``content_field`` is the endpoint's (``messages`` or
     ``prompt``), read by the caller. Raises ParamError for a field spin-batch would have to ignore."""
+    chat = content_field == "messages"
     for key, value in body.items():
-        if key == content_field or key in SAMPLING_FIELDS or key in IGNORED_FIELDS:
+        if key == content_field or key in SAMPLING_FIELDS or key in IGNORED_FIELDS or (chat and key == "top_logprobs"):
             continue
         if key in ("messages", "prompt"):
             raise ParamError("unsupported field", f"body.{key} does not belong in this request: its endpoint "
@@ -184,4 +210,7 @@ def body_params(body: Mapping[str, Any], content_field: str) -> RowParams:
             raise ParamError("unsupported field", f"body.{key} is not supported (spin-batch reads the sampling "
                                                   f"fields {', '.join(SAMPLING_FIELDS)}, and ignores only "
                                                   f"{', '.join(sorted(IGNORED_FIELDS))})")
-    return row_params(body, "body.")
+    if not chat:
+        return row_params(body, "body.")
+    own = row_params({key: value for key, value in body.items() if key != "logprobs"}, "body.")
+    return replace(own, logprobs=_chat_logprobs(body))

@@ -10,24 +10,38 @@ added to OUTPUT_SCHEMA reads with that column null (:mod:`spin_batch.io.outputs`
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 
-from ..records import Completion
+from ..records import Completion, TokenLogprob
 from . import columns
 
 __all__ = [
+    "LOGPROB_TYPE",
     "OUTPUT_SCHEMA",
     "OutputError",
     "completion_row",
     "error_row",
     "normalize_row",
 ]
+
+#: One token's entry in the logprobs / prompt_logprobs columns (records.TokenLogprob): the token, its
+#: log-probability and rank at its position, and the top tokens there, most likely first.
+LOGPROB_TYPE = pa.struct([
+    pa.field("token_id", pa.int32()),
+    pa.field("token", pa.string()),
+    pa.field("logprob", pa.float32()),
+    pa.field("rank", pa.int32()),
+    pa.field("top_ids", pa.list_(pa.int32())),
+    pa.field("top_tokens", pa.list_(pa.string())),
+    pa.field("top_logprobs", pa.list_(pa.float32())),
+])
 
 OUTPUT_SCHEMA = pa.schema(
     [
@@ -54,6 +68,13 @@ OUTPUT_SCHEMA = pa.schema(
         # for a row with no usable id or a repeated one, which such row it is
         pa.field("input_digest", pa.string(), nullable=True),
         pa.field("input_key", pa.string(), nullable=True),
+        # sampling.logprobs / prompt_logprobs: one entry per generated / prompt token (the first prompt
+        # token's null), and the prompt's total and mean log-probability and perplexity (tokens 2..n)
+        pa.field("logprobs", pa.list_(LOGPROB_TYPE), nullable=True),
+        pa.field("prompt_logprobs", pa.list_(LOGPROB_TYPE), nullable=True),
+        pa.field("prompt_logprob_sum", pa.float64(), nullable=True),
+        pa.field("prompt_logprob_mean", pa.float64(), nullable=True),
+        pa.field("prompt_perplexity", pa.float64(), nullable=True),
     ]
 )
 
@@ -149,6 +170,9 @@ def normalize_row(row: Mapping[str, Any]) -> dict[str, Any]:
         out[name] = _float_value(name, out[name], OUTPUT_SCHEMA.field(name).nullable)
     out["drafter_pulls"] = _pulls_value(out["drafter_pulls"])
     out["created"] = _created_value(out["created"])
+    for name in ("logprobs", "prompt_logprobs"):
+        if out[name] is not None and not isinstance(out[name], Sequence):
+            raise OutputError(f"output column {name!r} must be a list of token entries or None, got {out[name]!r}")
     out.update((key, value) for key, value in row.items() if key not in out)
     return out
 
@@ -175,6 +199,11 @@ def error_row(source: str, id: str | None, message: str, prompt_tokens: int = 0)
         "created": None,
         "input_digest": None,
         "input_key": None,
+        "logprobs": None,
+        "prompt_logprobs": None,
+        "prompt_logprob_sum": None,
+        "prompt_logprob_mean": None,
+        "prompt_perplexity": None,
     }
 
 
@@ -215,4 +244,27 @@ def _answer(c: Completion) -> dict[str, Any]:
         "mean_acceptance_length": c.mean_acceptance_length,
         "drafter_pulls": dict(c.drafter_pulls),
         "decode_time_s": c.decode_time_s,
+        "logprobs": _entries(c.logprobs),
+        "prompt_logprobs": _entries(c.prompt_logprobs),
+        **_prompt_score(c.prompt_logprobs),
     }
+
+
+def _entries(tokens: Sequence[TokenLogprob | None] | None) -> list[dict[str, Any] | None] | None:
+    if tokens is None:
+        return None
+    return [None if t is None else {"token_id": t.token_id, "token": t.token, "logprob": t.logprob, "rank": t.rank,
+                                    "top_ids": list(t.top_ids), "top_tokens": list(t.top_tokens),
+                                    "top_logprobs": list(t.top_logprobs)} for t in tokens]
+
+
+def _prompt_score(tokens: Sequence[TokenLogprob | None] | None) -> dict[str, float | None]:
+    """The prompt's total log-probability over the tokens that have one (all but the first), their mean
+    and the perplexity exp(-mean); None without such a token."""
+    scored = [t.logprob for t in tokens or () if t is not None]
+    if not scored:
+        return {"prompt_logprob_sum": None, "prompt_logprob_mean": None, "prompt_perplexity": None}
+    total = math.fsum(scored)
+    mean = total / len(scored)
+    return {"prompt_logprob_sum": total, "prompt_logprob_mean": mean,
+            "prompt_perplexity": math.exp(-mean) if mean > -700 else math.inf}
