@@ -38,7 +38,7 @@ TABLE: list[tuple[tuple[str, ...], set[str]]] = [
     (("drafters",), {"models", "sampling"}),
     (("models",), {"spin_kernels", "cachedir"}),
     (("io",), {"records"}),
-    (("config",), set()),
+    (("config",), {"records"}),
     (("records", "sampling", "stats", "cachedir", "__init__"), set()),
     (("spin_kernels",), set()),
 ]
