@@ -7,7 +7,7 @@ engine decodes Requests into Completions. Neither imports the other; the runner 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 
@@ -25,6 +25,19 @@ class RowParams:
     top_k: int | None = None  # >= 0; 0: off
     stop: tuple[str, ...] | None = None  # stop strings (each non-empty)
     seed: int | None = None  # the row's random stream (sampling); else derived from the job seed and the id
+    stop_token_ids: tuple[int, ...] | None = None  # token ids that end the completion (each >= 0)
+    min_tokens: int | None = None  # >= 0: EOS, stop token ids and stop strings cannot end it sooner
+    min_p: float | None = None  # [0, 1]
+    presence_penalty: float | None = None  # [-2, 2]
+    frequency_penalty: float | None = None  # [-2, 2]
+    repetition_penalty: float | None = None  # > 0; 1: off
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias in [-100, 100])
+    chat_template_kwargs: Mapping[str, Any] | None = None  # extra arguments of the chat template
+
+    def over(self, base: RowParams) -> RowParams:
+        """These settings, with each field left None taken from ``base``."""
+        return RowParams(**{f.name: getattr(base, f.name) if getattr(self, f.name) is None else getattr(self, f.name)
+                            for f in fields(self)})
 
 
 NO_PARAMS = RowParams()

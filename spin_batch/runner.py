@@ -149,7 +149,7 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
     emitted = [0]
 
     def emit(done: Completion) -> None:
-        writer.add(completion_row(done, model=job.target.model, prefix=job.output.column_prefix))
+        writer.add(completion_row(done, model=job.target.served_names[0], prefix=job.output.column_prefix))
         emitted[0] += 1
         bar.update(1)
 
@@ -194,7 +194,7 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
     name = "summary.json" if num_shards == 1 else f"summary-{worker}.json"
     write_json_atomic(out / name, summary)
     if stop.signum is None:  # this worker is done: the merged files of every worker's rows so far
-        write_results(out, job.output.format, job.target.model)
+        write_results(out, job.output.format, job.target.served_names[0])
     return RunResult(summary, stop.signum)
 
 
