@@ -27,12 +27,13 @@ from .drafters.model import FeatureDrafter, ModelDrafter
 from .drafters.ngram import NgramDrafter
 from .drafters.vote import VoteDrafter
 from .engine.logprobs import LogprobAsk
+from .engine.controls import LogitControls
 from .engine.loop import BatchLoop, LoopSettings
 from .models import cpu_plan, loader
 from .models.distilled import TargetFeatures, draft_meta, load_draft
 from .models.hf_backend import TransformersModel
 from .models.llama import LlamaModel
-from .records import Request
+from .records import Request, RowParams
 from .sampling import SamplingParams
 from .selection.factory import make_policy
 from .stats import RunStats
@@ -64,9 +65,36 @@ def eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+#: generation_config.json keys vLLM takes as the defaults of a request's omitted fields, -> RowParams fields
+GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_penalty": "repetition_penalty"}
+
+
+def generation_defaults(model_dir: Path) -> RowParams:
+    """What an OpenAI line's omitted sampling fields take, as vLLM's defaults: the model folder's
+    generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty; do_sample is
+    not read, as vLLM does not), else temperature 1.0 (vLLM's and OpenAI's default) and the fields off.
+    A value out of its range is passed over."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        given = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        given = {}
+    ok = {"temperature": lambda x: x >= 0, "top_p": lambda x: 0 < x <= 1, "top_k": lambda x: x >= -1,
+          "min_p": lambda x: 0 <= x <= 1, "repetition_penalty": lambda x: x > 0}
+    found = {}
+    for key, name in GENERATION_KEYS.items():
+        v = given.get(key) if isinstance(given, dict) else None
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and ok[key](v):
+            found[name] = max(int(v), 0) if key == "top_k" else float(v)
+    return RowParams(**{"temperature": 1.0, **found})
+
+
 def make_encoder(tokenizer, job: JobConfig) -> Callable[[Request], list[int]]:
-    """Request -> prompt token ids; raises ValueError for a row that cannot be encoded."""
+    """Request -> prompt token ids; raises ValueError for a row that cannot be encoded (an OpenAI line
+    naming a model the job does not serve among them, with vLLM's words)."""
     icfg = job.input
+    served = job.target.served_names
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if icfg.chat_template is True and not has_template:
         raise ValueError("input.chat_template is true but the target tokenizer has no chat template")
@@ -85,22 +113,27 @@ def make_encoder(tokenizer, job: JobConfig) -> Callable[[Request], list[int]]:
                              "longest in this tokenizer's vocabulary); not tokenized")
         return tokenizer.encode(text, **kwargs)
 
-    def render(messages: list[dict]) -> list[int]:
+    def render(messages: list[dict], kwargs: dict | None) -> list[int]:
         if not has_template:
             raise ValueError("row has messages but the target tokenizer has no chat template")
         if icfg.system_prompt is not None and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": icfg.system_prompt}] + messages
+        extra = {"add_generation_prompt": True, **(kwargs or {}), "tokenize": False}
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, **extra)
         except Exception as e:  # a template may raise anything (jinja errors, role checks)
             raise ValueError(f"chat template failed: {e}") from e
         return tokenize(text, add_special_tokens=False)
 
     def encode(req: Request) -> list[int]:
+        if req.endpoint is not None and req.model and req.model not in served:
+            raise ValueError(f"The model `{req.model}` does not exist. (spin-batch serves "
+                             f"{', '.join(f'`{n}`' for n in served)}: target.served_model_name names them)")
+        kwargs = icfg.chat_template_kwargs if req.params.chat_template_kwargs is None else req.params.chat_template_kwargs
         if req.messages is not None:
-            ids = render([dict(m) for m in req.messages])
+            ids = render([dict(m) for m in req.messages], kwargs)
         elif template_prompts and req.endpoint != "completion":  # an OpenAI /v1/completions prompt is raw text
-            ids = render([{"role": "user", "content": req.prompt}])
+            ids = render([{"role": "user", "content": req.prompt}], kwargs)
         else:
             ids = tokenize(req.prompt)
         if not ids:
@@ -168,7 +201,10 @@ def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: tor
     return {d.name: drafters[d.name] for d in job.drafters}
 
 
-def loop_settings(job: JobConfig, eos: frozenset[int], device: torch.device) -> LoopSettings:
+def loop_settings(job: JobConfig, eos: frozenset[int], device: torch.device,
+                  generation: RowParams | None = None) -> LoopSettings:
+    """The loop's settings from the job; ``generation``: the model's generation defaults
+    (generation_defaults), which OpenAI lines' omitted fields take with sampling.openai_defaults: model."""
     s = job.sampling
     pipeline = job.spin.pipeline == "on" or (job.spin.pipeline == "auto" and device.type == "cuda")
     return LoopSettings(
@@ -183,6 +219,10 @@ def loop_settings(job: JobConfig, eos: frozenset[int], device: torch.device) -> 
         eos_token_ids=eos,
         pipeline=pipeline,
         logprobs=LogprobAsk(s.logprobs, s.prompt_logprobs, s.logprobs_mode == "processed_logprobs"),
+        stop_token_ids=frozenset(s.stop_token_ids),
+        min_tokens=s.min_tokens,
+        controls=LogitControls(s.min_p, s.logit_bias, s.repetition_penalty, s.presence_penalty, s.frequency_penalty),
+        openai_defaults=generation if s.openai_defaults == "model" else None,
     )
 
 
@@ -199,8 +239,8 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     drafters = build_drafters(job, target, cache, device)
     policy = make_policy(job.spin.selector, drafters, job.spin.num_speculative_tokens, job.sampling.seed,
                          job.spin.confidence_gate, backoff=job.spin.backoff, tree_nodes=job.spin.tree_nodes)
-    loop = BatchLoop(target, tokenizer, loop_settings(job, eos_ids(target_dir, tokenizer), device), policy, drafters,
-                     cache, stats)
+    settings = loop_settings(job, eos_ids(target_dir, tokenizer), device, generation_defaults(target_dir))
+    loop = BatchLoop(target, tokenizer, settings, policy, drafters, cache, stats)
     return Engine(target_dir, target, tokenizer, loop, time.perf_counter() - t0)
 
 

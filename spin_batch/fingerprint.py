@@ -61,6 +61,16 @@ def fingerprint(job: JobConfig) -> dict[str, Any]:
     if s.logprobs is not None or s.prompt_logprobs is not None:  # the rows' logprobs columns
         fp.update({"sampling.logprobs": s.logprobs, "sampling.prompt_logprobs": s.prompt_logprobs,
                    "sampling.logprobs_mode": s.logprobs_mode})
+    if rows_may_sample:  # what an OpenAI line's omitted temperature takes
+        fp["sampling.openai_defaults"] = s.openai_defaults
+    # the controls, where set (a job that sets none keeps the fingerprint it had before they existed)
+    controls = {"sampling.stop_token_ids": list(s.stop_token_ids), "sampling.min_tokens": s.min_tokens,
+                "sampling.min_p": s.min_p, "sampling.presence_penalty": s.presence_penalty,
+                "sampling.frequency_penalty": s.frequency_penalty, "sampling.repetition_penalty": s.repetition_penalty,
+                "sampling.logit_bias": [list(p) for p in s.logit_bias],
+                "input.chat_template_kwargs": i.chat_template_kwargs}
+    unset = {"sampling.repetition_penalty": 1.0, "input.chat_template_kwargs": None}
+    fp.update({k: v for k, v in controls.items() if v != unset.get(k, 0 if isinstance(v, float | int) else [])})
     return json.loads(json.dumps(fp))
 
 

@@ -7,7 +7,7 @@ engine decodes Requests into Completions. Neither imports the other; the runner 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 #: The most top tokens a request may ask for, per generated or prompt token (vLLM's default max_logprobs).
@@ -32,6 +32,19 @@ class RowParams:
     seed: int | None = None  # the row's random stream (sampling); else derived from the job seed and the id
     logprobs: int | None = None  # 0..20: each generated token's log-probability and this many top tokens
     prompt_logprobs: int | None = None  # 0..20: the same for each prompt token (vLLM's extension)
+    stop_token_ids: tuple[int, ...] | None = None  # token ids that end the completion (each >= 0)
+    min_tokens: int | None = None  # >= 0: EOS, stop token ids and stop strings cannot end it sooner
+    min_p: float | None = None  # [0, 1]
+    presence_penalty: float | None = None  # [-2, 2]
+    frequency_penalty: float | None = None  # [-2, 2]
+    repetition_penalty: float | None = None  # > 0; 1: off
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias in [-100, 100])
+    chat_template_kwargs: Mapping[str, Any] | None = None  # extra arguments of the chat template
+
+    def over(self, base: RowParams) -> RowParams:
+        """These settings, with each field left None taken from ``base``."""
+        return RowParams(**{f.name: getattr(base, f.name) if getattr(self, f.name) is None else getattr(self, f.name)
+                            for f in fields(self)})
 
 
 NO_PARAMS = RowParams()

@@ -152,7 +152,7 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
 
     def emit(completion: Completion) -> None:
         nonlocal replaced, done_mine
-        writer.add(completion_row(completion, model=job.target.model, prefix=job.output.column_prefix))
+        writer.add(completion_row(completion, model=job.target.served_names[0], prefix=job.output.column_prefix))
         replaced += done.replaces(completion.request)
         emitted[0] += 1
         if upfront and completion.request.source in done.sources:  # counted done, but its input changed
@@ -205,7 +205,7 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
     name = "summary.json" if num_shards == 1 else f"summary-{worker}.json"
     write_json_atomic(out / name, summary)
     if stop.signum is None:  # this worker is done: the merged files of every worker's rows so far
-        write_results(out, job.output.format, job.target.model)
+        write_results(out, job.output.format, job.target.served_names[0])
     return RunResult(summary, stop.signum)
 
 

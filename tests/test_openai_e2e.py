@@ -32,21 +32,23 @@ LINES = [
     line("bad-n", COMPLETIONS_URL, model="my-base", prompt="once upon a time", n=2),
     line("p-2", COMPLETIONS_URL, model="my-base", prompt="def add(a, b):", max_tokens=5, top_k=3, temperature=0.5),
     {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
-    line("p-3", COMPLETIONS_URL, prompt="compute 12 * 7"),
+    line("p-3", COMPLETIONS_URL, prompt="compute 12 * 7", temperature=0),
+    line("bad-model", COMPLETIONS_URL, model="gpt-4o", prompt="compute 12 * 7"),  # a model the job does not serve
 ]
 MAX_TOKENS = {"c-1": 4, "p-1": 2, "c-2": 3, "p-2": 5, "p-3": 12}  # p-3: the job's sampling.max_tokens
 
 
 def test_openai_batch_in_openai_batch_out(tmp_path, tiny_dir):
     src = write_jsonl(tmp_path / "in" / "batch.jsonl", LINES)
-    job, out = make_job(tmp_path, tiny_dir, [src], name="openai", output={"format": "openai"})
+    job, out = make_job(tmp_path, tiny_dir, [src], name="openai", output={"format": "openai"},
+                        target={"served_model_name": [str(tiny_dir), "my-chat", "my-base"]})
     run_ok(job)
     lines = lines_of(out / "results.jsonl")
     assert [x["custom_id"] for x in lines] == [x["custom_id"] for x in LINES]  # input order, each id once
     parsed = {x["custom_id"]: parse_line(x) for x in lines}
     kinds = {cid: type(p) for cid, p in parsed.items()}
     assert kinds == {"c-1": ChatCompletion, "p-1": TextCompletion, "c-2": ChatCompletion, "bad-n": BatchError,
-                     "p-2": TextCompletion, "bad-url": BatchError, "p-3": TextCompletion}
+                     "p-2": TextCompletion, "bad-url": BatchError, "p-3": TextCompletion, "bad-model": BatchError}
     for cid, limit in MAX_TOKENS.items():  # each line decoded with its own max_tokens
         body = parsed[cid]
         assert 1 <= body.usage.completion_tokens <= limit, cid
@@ -57,6 +59,7 @@ def test_openai_batch_in_openai_batch_out(tmp_path, tiny_dir):
     assert [parsed[c].model for c in ("c-1", "p-1", "c-2", "p-3")] == ["my-chat", "my-base", str(tiny_dir),
                                                                          str(tiny_dir)]
     assert "n" in parsed["bad-n"].message and "/v1/embeddings" in parsed["bad-url"].message
+    assert parsed["bad-model"].message.startswith("The model `gpt-4o` does not exist.")  # vLLM's words
 
     # a /v1/completions prompt is raw text: the same greedy text as a plain row without the chat template
     plain_src = write_jsonl(tmp_path / "in2" / "plain.jsonl", [{"id": "p-3", "prompt": "compute 12 * 7"}])

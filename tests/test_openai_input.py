@@ -76,7 +76,8 @@ def test_text_neutral_fields_are_accepted(tmp_path: Path) -> None:
                 tool_choice="none", response_format={"type": "text"}, service_tier="auto", top_k=-1)
     request = one(tmp_path, line)
     assert request.ok, request.error
-    assert request.params == RowParams(top_k=0)  # -1 is vLLM's "off", as sampling.top_k
+    # -1 is vLLM's "off", as sampling.top_k; zero penalties and an empty bias are the row's own (they change nothing)
+    assert request.params == RowParams(top_k=0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=())
 
 
 def test_max_tokens_and_max_completion_tokens(tmp_path: Path) -> None:
@@ -123,9 +124,19 @@ def test_stop_list_and_empty_list(tmp_path: Path) -> None:
     ({"stream": True}, "body.stream = true is not supported"),
     ({"echo": True}, "body.echo = true is not supported"),
     ({"suffix": "end"}, 'body.suffix = "end" is not supported'),
-    ({"presence_penalty": 0.5}, "body.presence_penalty = 0.5 is not supported"),
-    ({"frequency_penalty": -1}, "body.frequency_penalty = -1 is not supported"),
-    ({"logit_bias": {"50256": -100}}, 'body.logit_bias = {"50256": -100} is not supported'),
+    ({"presence_penalty": 2.5}, "body.presence_penalty must be a number in [-2, 2], got 2.5"),
+    ({"frequency_penalty": "x"}, 'body.frequency_penalty must be a number, got "x"'),
+    ({"repetition_penalty": 0}, "body.repetition_penalty must be a number > 0, got 0"),
+    ({"min_p": 1.5}, "body.min_p must be a number in [0, 1], got 1.5"),
+    ({"min_tokens": -1}, "body.min_tokens must be an integer >= 0, got -1"),
+    ({"stop_token_ids": 5}, "body.stop_token_ids must be a list of token ids"),
+    ({"stop_token_ids": [1, -2]}, "body.stop_token_ids[1] must be a token id (an integer >= 0), got -2"),
+    ({"logit_bias": {"x": 1}}, 'body.logit_bias key must be a token id (an integer), got "x"'),
+    ({"logit_bias": {"5": "big"}}, 'body.logit_bias["5"] must be a number, got "big"'),
+    ({"logit_bias": [1, 2]}, "body.logit_bias must be an object of token id -> bias"),
+    ({"chat_template_kwargs": [1]}, "body.chat_template_kwargs must be an object"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "body.messages[0].content[0] must be a text part"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "body.tools = "),
     ({"response_format": {"type": "json_object"}}, 'body.response_format = {"type": "json_object"}'),
     ({"n": True}, "body.n = true is not supported"),  # a bool is not the number 1
@@ -169,8 +180,8 @@ def test_nan_and_infinity_are_error_rows(tmp_path: Path, raw: str, message: str)
     ({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}},
      "body.messages must not be empty"),
     ({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
-      "body": {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}},
-     "body.messages[0].content must be a string, got list"),
+      "body": {"messages": [{"role": "user", "content": 5}]}},
+     "body.messages[0].content must be a string or a list of text parts, got int"),
     ({"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {}},
      "body.prompt is missing; /v1/completions needs it"),
     ({"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"prompt": ["a", "b"]}},
@@ -337,7 +348,8 @@ def test_a_run_over_an_openai_file(tmp_path: Path, tiny_dir: Path) -> None:
         completion("bad-1", prompt="the moon", logprobs=True),  # a completions body counts its top tokens
     ]
     src = write_jsonl(tmp_path / "in" / "batch.jsonl", lines)
-    job, out = make_job(tmp_path, tiny_dir, [src], sampling={"max_tokens": 6})
+    job, out = make_job(tmp_path, tiny_dir, [src], sampling={"max_tokens": 6},
+                        target={"served_model_name": ["m", "tiny"]})  # the lines' body.model
     run_ok(job)
     rows = {r["id"]: r for r in read_rows(out)}
     assert sorted(rows) == ["bad-1", "chat-1", "text-1"]

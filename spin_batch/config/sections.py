@@ -48,6 +48,8 @@ class InputConfig:
     # top_k, stop, seed; null or a field left out: the job's value)
     params_column: str | None = None
     chat_template: Literal["auto", True, False] = "auto"
+    # extra arguments of the chat template (``{enable_thinking: false}``); a row's own replace them
+    chat_template_kwargs: dict[str, Any] | None = None
     system_prompt: str | None = None
     # a JSONL line longer than this becomes an error row without being read whole (memory stays bounded)
     max_line_bytes: int = 64 * 1024 * 1024
@@ -62,6 +64,7 @@ class InputConfig:
             messages_column=s.take("messages_column", _text()),
             params_column=s.take("params_column", _optional(_text())),
             chat_template=s.take("chat_template", _choice("auto", True, False)),
+            chat_template_kwargs=s.take("chat_template_kwargs", _optional(_kwargs)),
             system_prompt=s.take("system_prompt", _optional(_text(nonempty=False))),
             max_line_bytes=s.take("max_line_bytes", _int(lo=1)),
         )
@@ -128,6 +131,13 @@ class TargetConfig:
     # Mistral, Qwen2; else transformers) | native | transformers (transformers' modelling code, our attention)
     backend: Literal["auto", "native", "transformers"] = "auto"
     trust_remote_code: bool = False  # the transformers backend may run modelling code shipped in the folder
+    # the names OpenAI lines may give as body.model, the first one named in responses (vLLM's
+    # --served-model-name); empty: target.model. A line naming another model is an error line.
+    served_model_name: tuple[str, ...] = ()
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return self.served_model_name or (self.model,)
 
     @classmethod
     def _parse(cls, s: _Section) -> TargetConfig:
@@ -139,6 +149,7 @@ class TargetConfig:
             kernels=s.take("kernels", _choice("auto", "c", "torch", "triton")),
             backend=s.take("backend", _choice(*BACKENDS)),
             trust_remote_code=s.take("trust_remote_code", _bool),
+            served_model_name=s.take("served_model_name", _texts(nonempty=False)),
         )
         if s.ok("device", "kernels") and target.kernels == "c" and target.device.startswith("cuda"):
             s.errs.add(s.key_path("kernels"), f"c is the C decoder on CPU; target.device is {target.device}")
@@ -264,6 +275,18 @@ class SamplingConfig:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    # the controls (engine/controls.py; vLLM's meanings and ranges); a row's own replace them
+    stop_token_ids: tuple[int, ...] = ()  # token ids that end a completion, as EOS does
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end a completion sooner
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # token id -> bias (a mapping in YAML), clamped to [-100, 100]
+    # what an OpenAI line's omitted temperature, top_p, top_k, min_p and repetition_penalty take:
+    # model: the model's generation_config.json, else vLLM's defaults (temperature 1), as vLLM
+    # does; job: this section's values, as a plain row does
+    openai_defaults: Literal["model", "job"] = "model"
 
     @property
     def greedy(self) -> bool:
@@ -272,7 +295,7 @@ class SamplingConfig:
 
     @classmethod
     def _parse(cls, s: _Section) -> SamplingConfig:
-        return cls(
+        sampling = cls(
             temperature=s.take("temperature", _num(lambda x: x >= 0, ">= 0")),
             top_p=s.take("top_p", _num(lambda x: 0 < x <= 1, "in (0, 1]")),
             top_k=s.take("top_k", _top_k),
@@ -283,4 +306,46 @@ class SamplingConfig:
             logprobs=s.take("logprobs", _optional(_int(lo=0, hi=MAX_LOGPROBS))),
             prompt_logprobs=s.take("prompt_logprobs", _optional(_int(lo=0, hi=MAX_LOGPROBS))),
             logprobs_mode=s.take("logprobs_mode", _choice(*LOGPROBS_MODES)),
+            stop_token_ids=s.take("stop_token_ids", _token_ids),
+            min_tokens=s.take("min_tokens", _int(lo=0)),
+            min_p=s.take("min_p", _num(lambda x: 0 <= x <= 1, "in [0, 1]")),
+            presence_penalty=s.take("presence_penalty", _num(lambda x: -2 <= x <= 2, "in [-2, 2]")),
+            frequency_penalty=s.take("frequency_penalty", _num(lambda x: -2 <= x <= 2, "in [-2, 2]")),
+            repetition_penalty=s.take("repetition_penalty", _num(lambda x: x > 0, "> 0")),
+            logit_bias=s.take("logit_bias", _logit_bias),
+            openai_defaults=s.take("openai_defaults", _choice("model", "job")),
         )
+        if s.ok("min_tokens", "max_tokens") and sampling.min_tokens > sampling.max_tokens:
+            s.errs.add(s.key_path("min_tokens"), f"must be <= sampling.max_tokens ({sampling.max_tokens}), "
+                                                 f"got {sampling.min_tokens}")
+        return sampling
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    """A list of token ids (integers >= 0)."""
+    if not isinstance(value, (list, tuple)):
+        raise _Invalid(f"expected a list of token ids, got {_describe(value)}")
+    return tuple(_int(lo=0)(x) for x in value)
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """A mapping token id -> bias (or the list of [id, bias] pairs job_to_dict writes), the biases clamped to
+    [-100, 100] as vLLM does; sorted by id."""
+    pairs = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(pairs, (list, tuple)):
+        raise _Invalid(f"expected a mapping of token id -> bias, got {_describe(value)}")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise _Invalid(f"expected a mapping of token id -> bias, got {_describe(value)}")
+        key, bias = pair
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        out[_int(lo=0)(token)] = min(max(_num()(bias), -100.0), 100.0)
+    return tuple(sorted(out.items()))
+
+
+def _kwargs(value: Any) -> dict[str, Any]:
+    """A mapping with string keys."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise _Invalid(f"expected a mapping of names to values, got {_describe(value)}")
+    return dict(value)

@@ -25,24 +25,11 @@ from ..selection.policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
 from ..records import Completion, Request
 from ..sampling import SamplingParams, make_generator
 from .logprobs import NO_LOGPROBS, LogprobAsk, Scored, TokenTexts, prompt_rows, score_new_tokens, score_prompts
+from .controls import NO_CONTROLS, LogitControls, apply_controls, chain_prefixes, tree_prefixes
+from .settings import LoopSettings, refusal, request_settings
 from .stopping import Stopping, StopRule
 from .tree_verify import DraftTree, accept_trees
 from .verify import Verdict, accept_drafts
-
-
-@dataclass(frozen=True)
-class LoopSettings:
-    slots: int
-    max_model_len: int
-    max_num_batched_tokens: int
-    max_tokens: int  # the job's; a row's own params override it, as they do sampling, seed and stop
-    sampling: SamplingParams
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    eos_token_ids: frozenset[int] = frozenset()
-    pipeline: bool = False  # two micro-batches: one drafts while the other verifies
-    logprobs: LogprobAsk = NO_LOGPROBS  # the job's; a row's own logprobs / prompt_logprobs override it
 
 
 @dataclass
@@ -56,6 +43,7 @@ class Slot:
     sp: SamplingParams  # this request's sampling settings
     rule: StopRule  # when it is done
     gen: torch.Generator | None  # its random stream (sampling only)
+    controls: LogitControls = NO_CONTROLS  # what its logits go through before the verifier reads them
     prefilled: int = 0  # prompt tokens already in the target cache
     spec_steps: int = 0
     draft_tokens: int = 0
@@ -76,6 +64,12 @@ class Slot:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len:]
+
+    @property
+    def controlled(self) -> bool:
+        """Whether its logits need controls at this step (min_tokens holds only until it is reached)."""
+        short = len(self.tokens) - self.prompt_len < self.rule.min_tokens
+        return self.controls.active(self.sp.temperature) or (short and bool(self.rule.eos | self.rule.stop_ids))
 
 
 @dataclass
@@ -127,30 +121,17 @@ class BatchLoop:
 
     def admit(self, req: Request, prompt_ids: list[int]) -> None:
         idx = self.slots.index(None)
-        sp, rule = self.settings_of(req)
+        sp, rule, controls = self.settings_of(req)
         gen = None if sp.greedy else make_generator(self.cfg.seed, req.id or req.source, req.params.seed)
         ask = self.cfg.logprobs.of_row(req.params.logprobs, req.params.prompt_logprobs, rule.max_tokens)
-        self.slots[idx] = Slot(idx, req, len(prompt_ids), list(prompt_ids), sp, rule, gen, ask=ask)
+        self.slots[idx] = Slot(idx, req, len(prompt_ids), list(prompt_ids), sp, rule, gen, controls, ask=ask)
         for d in self.drafters.values():
             d.on_admit(idx)
         self.policy.on_admit(idx, req.id)
 
-    def settings_of(self, req: Request) -> tuple[SamplingParams, StopRule]:
-        """A request's sampling settings and stop rule: the job's, overridden by the row's own."""
-        cfg, own = self.cfg, req.params
-        job = cfg.sampling
-        sp = SamplingParams(
-            temperature=job.temperature if own.temperature is None else own.temperature,
-            top_k=job.top_k if own.top_k is None else own.top_k,
-            top_p=job.top_p if own.top_p is None else own.top_p,
-        )
-        rule = StopRule(
-            max_tokens=cfg.max_tokens if own.max_tokens is None else own.max_tokens,
-            max_model_len=cfg.max_model_len,
-            stop=cfg.stop if own.stop is None else own.stop,
-            eos=frozenset() if cfg.ignore_eos else cfg.eos_token_ids,
-        )
-        return sp, rule
+    def settings_of(self, req: Request) -> tuple[SamplingParams, StopRule, LogitControls]:
+        """A request's sampling settings, stop rule and logits controls (engine/settings.py)."""
+        return request_settings(self.cfg, req)
 
     @property
     def free_slots(self) -> int:
@@ -354,11 +335,30 @@ class BatchLoop:
         drafts = plan.drafts + [[] for _ in plan.finishing]
         probs = proposal.probs + [None for _ in plan.finishing]
         served = plan.decode + plan.finishing
+        logits = self._controlled(served, drafts, plan.trees + [None for _ in plan.finishing], logits)
         gens, sps = [s.gen for s in served], [s.sp for s in served]
         if any(t is not None for t in plan.trees):
             return self._accept_trees(plan, drafts, probs, logits, gens, sps)
         kernels = getattr(self.target, "kernels", None) or None  # the Triton path (CUDA, or forced on)
         return accept_drafts(kernels, logits, drafts, probs, gens, sps)
+
+    @staticmethod
+    def _controlled(served: list[Slot], drafts: list[list[int]], trees: list[list[int] | None],
+                    logits: torch.Tensor) -> torch.Tensor:
+        """The logits [R, V] with each slot's controls applied (engine/controls.py), row r of a segment
+        counting the draft prefix before it as generated; float32. The same logits where no slot has any."""
+        if not any(s.controlled for s in served):
+            return logits
+        out = logits.to(torch.float32, copy=True)
+        row = 0
+        for s, d, t in zip(served, drafts, trees):
+            n = len(d) + 1
+            if s.controlled:
+                prefixes = chain_prefixes(d) if t is None else tree_prefixes(d, t)
+                apply_controls(out[row : row + n], s.controls, s.sp.temperature, s.tokens[: s.prompt_len], s.generated,
+                               prefixes, s.rule.min_tokens, s.rule.eos | s.rule.stop_ids)
+            row += n
+        return out
 
     @staticmethod
     def _accept_trees(plan: Plan, drafts: list[list[int]], probs: list[torch.Tensor | None], logits: torch.Tensor,
@@ -521,10 +521,10 @@ class BatchLoop:
         except ValueError as e:
             self.stats.observe_row("error", 0)
             return Completion.failed(req, str(e))
-        if len(ids) + (self.settings_of(req)[1].max_tokens > 0) > self.cfg.max_model_len:
+        problem = refusal(self.cfg, req, ids, self.target.spec.vocab_size)
+        if problem is not None:
             self.stats.observe_row("error", 0)
-            return Completion.failed(req, f"prompt has {len(ids)} tokens; max_model_len {self.cfg.max_model_len} "
-                                          "leaves no room to generate", prompt_tokens=len(ids))
+            return Completion.failed(req, problem, prompt_tokens=len(ids))
         self.admit(req, ids)
         return None
 

@@ -1,7 +1,10 @@
 """When a request is done, and the text it ends with.
 
-A request stops at an end-of-sequence token (unless the job ignores EOS), at its max_tokens, at
-the context limit, or at the first stop string in its decoded completion. A verify step may add
+A request stops at an end-of-sequence token (unless the job ignores EOS) or one of its
+stop_token_ids, at its max_tokens, at the context limit, or at the first stop string in its decoded
+completion. With min_tokens, no stop string ends the completion before its min_tokens-th token (as
+in vLLM: an occurrence wholly within the text of the first min_tokens - 1 tokens is passed over);
+EOS and the stop token ids cannot come earlier (engine/controls.py masks them). A verify step may add
 several tokens at once; the completion then ends where one token a step would have ended it: at
 the EOS or the token that reaches a limit, or at the token that completes the first stop string
 (the text is cut before that string).
@@ -21,6 +24,12 @@ class StopRule:
     max_model_len: int  # prompt + completion
     stop: tuple[str, ...] = ()
     eos: frozenset[int] = frozenset()  # empty when the job ignores EOS
+    stop_ids: frozenset[int] = frozenset()  # stop_token_ids: end the completion like EOS, even with ignore_eos
+    min_tokens: int = 0  # no stop string ends the completion before this many tokens
+
+    def stops_at(self, token: int) -> bool:
+        """Whether this token ends the completion (an EOS or a stop token id)."""
+        return token in self.eos or token in self.stop_ids
 
 
 @dataclass(frozen=True)
@@ -42,7 +51,7 @@ class Stopping:
         for t in new:
             tokens.append(t)
             added += 1
-            if t in rule.eos:
+            if rule.stops_at(t):
                 reason = "stop"
             elif len(tokens) - prompt_len >= rule.max_tokens or len(tokens) >= rule.max_model_len:
                 reason = "length"
@@ -50,9 +59,12 @@ class Stopping:
                 break
         if rule.stop and self._stop_in_tail(tokens[prompt_len:], added, rule.stop):
             gen = tokens[prompt_len:]
-            for n in range(len(gen) - added + 1, len(gen) + 1):
+            # an occurrence counts where it ends past the text of the first min_tokens - 1 tokens
+            floor = len(self.decode(gen[: rule.min_tokens - 1])) if rule.min_tokens > 1 else 0
+            for n in range(max(len(gen) - added + 1, rule.min_tokens), len(gen) + 1):
                 text = self.decode(gen[:n])
-                cut = min((text.find(x) for x in rule.stop if x in text), default=-1)
+                found = [i for x in rule.stop if (i := text.find(x, max(floor - len(x) + 1, 0))) >= 0]
+                cut = min(found, default=-1)
                 if cut >= 0:
                     dropped = len(gen) - n
                     del tokens[len(tokens) - dropped:]
@@ -60,8 +72,9 @@ class Stopping:
         return Extended(added, reason)
 
     def text(self, generated: list[int], rule: StopRule) -> str:
-        """The completion's text when no stop string cut it: without a final EOS token."""
-        body = generated[:-1] if generated and generated[-1] in rule.eos else generated
+        """The completion's text when no stop string cut it: without a final EOS or stop token id (as
+        vLLM leaves a stop token's text out)."""
+        body = generated[:-1] if generated and rule.stops_at(generated[-1]) else generated
         return self.decode(body)
 
     def _stop_in_tail(self, generated: list[int], added: int, stop: tuple[str, ...]) -> bool:

@@ -1,9 +1,12 @@
 """A row's own generation settings: one check for an OpenAI request body and a params column.
 
 Both name the same sampling fields (``max_tokens`` / ``max_completion_tokens``, ``temperature``,
-``top_p``, ``top_k``, ``stop``, ``seed``, ``logprobs``, ``prompt_logprobs``); :func:`row_params`
-checks them once and gives a :class:`RowParams`, a field absent or null taking the job's value. A bad
-value raises :class:`ParamError`, which the reader turns into an error row.
+``top_p``, ``top_k``, ``stop``, ``seed``, ``logprobs``, ``prompt_logprobs``, and the controls
+``stop_token_ids``, ``min_tokens``, ``min_p``, ``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty``, ``logit_bias``, with the chat template's ``chat_template_kwargs``);
+:func:`row_params` checks them once and gives a :class:`RowParams`, a field absent or null taking the
+job's value. The ranges are vLLM's (``logit_bias`` values are clamped to [-100, 100] as vLLM does). A
+bad value raises :class:`ParamError`, which the reader turns into an error row.
 
 ``logprobs`` is a count of top tokens (0..20) in a params column, in a ``/v1/completions`` body and in
 vLLM's ``prompt_logprobs``; a ``/v1/chat/completions`` body asks with ``logprobs: true`` and
@@ -12,7 +15,7 @@ vLLM's ``prompt_logprobs``; a ``/v1/chat/completions`` body asks with ``logprobs
 An OpenAI body may hold more than sampling fields. :func:`body_params` accepts the few that do not
 change the text (``model``, which is echoed, ``user``, ``metadata`` ...) and fields that spin-batch
 cannot honour only at the value that changes nothing (``n: 1``, ``logprobs: false``,
-``presence_penalty: 0`` ...); any other field or value is an error, never silently ignored.
+``logprobs: false`` ...); any other field or value is an error, never silently ignored.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ __all__ = ["SAMPLING_FIELDS", "ParamError", "body_params", "column_params", "row
 
 #: The per-row sampling fields, in an OpenAI body and in a params column alike.
 SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed", "logprobs",
-                   "prompt_logprobs")
+                   "prompt_logprobs", "stop_token_ids", "min_tokens", "min_p", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "logit_bias", "chat_template_kwargs")
 
 #: Body fields that do not change the text: accepted and ignored (``model`` is echoed).
 IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options",
@@ -44,12 +48,6 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "top_logprobs": 0,  # a /v1/completions body's (a chat body's asks for logprobs: _chat_logprobs)
     "echo": False,
     "suffix": "",
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,  # vLLM's extension
-    "min_tokens": 0,  # vLLM's extension
-    "min_p": 0,  # vLLM's extension
-    "logit_bias": {},
     "tools": [],
     "functions": [],
     "tool_choice": "none",
@@ -116,6 +114,38 @@ def _stop(name: str, value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _token_ids(name: str, value: Any) -> tuple[int, ...]:
+    """A list of token ids (integers >= 0); an empty list: none."""
+    if not isinstance(value, (list, tuple)):
+        raise _bad(name, "a list of token ids (integers >= 0)", value)
+    return tuple(_integer(f"{name}[{i}]", x, 0, expected="a token id (an integer >= 0)") for i, x in enumerate(value))
+
+
+def _logit_bias(name: str, value: Any) -> tuple[tuple[int, float], ...]:
+    """An object of token id (an integer, or a string of one, as JSON keys are) -> bias, clamped to
+    [-100, 100] as vLLM does; sorted by token id."""
+    if not isinstance(value, Mapping):
+        raise _bad(name, "an object of token id -> bias", value)
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key
+        if isinstance(key, str):
+            try:
+                token = int(key.strip())
+            except ValueError:
+                raise _bad(f"{name} key", "a token id (an integer)", key) from None
+        token = _integer(f"{name} key", token, 0, expected="a token id (an integer >= 0)")
+        out[token] = min(max(_number(f"{name}[{_show(key)}]", bias, lambda x: True, ""), -100.0), 100.0)
+    return tuple(sorted(out.items()))
+
+
+def _template_kwargs(name: str, value: Any) -> dict[str, Any]:
+    """An object of the chat template's extra arguments (``{"enable_thinking": false}``)."""
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise _bad(name, "an object (the chat template's extra arguments)", value)
+    return dict(value)
+
+
 def _top_k(name: str, value: Any) -> int:
     """-1 or 0: off (vLLM's spellings; as sampling.top_k), else >= 1."""
     return max(_integer(name, value, -1, expected="-1 or 0 (off) or an integer >= 1"), 0)
@@ -151,7 +181,20 @@ def row_params(fields: Mapping[str, Any], where: str = "") -> RowParams:
         seed=get("seed", lambda n, v: _integer(n, v, *_INT64, expected="a 64-bit signed integer")),
         logprobs=get("logprobs", _logprobs),
         prompt_logprobs=get("prompt_logprobs", _logprobs),
+        stop_token_ids=get("stop_token_ids", _token_ids),
+        min_tokens=get("min_tokens", lambda n, v: _integer(n, v, 0)),
+        min_p=get("min_p", lambda n, v: _number(n, v, lambda x: 0 <= x <= 1, "in [0, 1]")),
+        presence_penalty=get("presence_penalty", _penalty),
+        frequency_penalty=get("frequency_penalty", _penalty),
+        repetition_penalty=get("repetition_penalty", lambda n, v: _number(n, v, lambda x: x > 0, "> 0")),
+        logit_bias=get("logit_bias", _logit_bias),
+        chat_template_kwargs=get("chat_template_kwargs", _template_kwargs),
     )
+
+
+def _penalty(name: str, value: Any) -> float:
+    """presence_penalty and frequency_penalty: in [-2, 2] (OpenAI's and vLLM's range)."""
+    return _number(name, value, lambda x: -2 <= x <= 2, "in [-2, 2]")
 
 
 def _logprobs(name: str, value: Any) -> int:
@@ -194,6 +237,9 @@ def body_params(body: Mapping[str, Any], content_field: str) -> RowParams:
     """An OpenAI request body's settings. ``content_field`` is the endpoint's (``messages`` or
     ``prompt``), read by the caller. Raises ParamError for a field spin-batch would have to ignore."""
     chat = content_field == "messages"
+    if content_field == "prompt" and body.get("chat_template_kwargs") is not None:
+        raise ParamError("unsupported field", "body.chat_template_kwargs is for /v1/chat/completions; a "
+                                              "/v1/completions prompt is never put in the chat template")
     for key, value in body.items():
         if key == content_field or key in SAMPLING_FIELDS or key in IGNORED_FIELDS or (chat and key == "top_logprobs"):
             continue

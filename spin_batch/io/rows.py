@@ -162,15 +162,34 @@ def _parse_message(index: int, item: Any, name: str = "messages") -> dict:
         raise BadRow("bad messages", f"{where}.role must be a non-empty string, got {role!r}")
     if role not in CHAT_ROLES:
         raise BadRow("bad messages", f"{where}.role {role!r} is not a chat role ({', '.join(CHAT_ROLES)})")
+    content = _text_parts(content, f"{where}.content") if isinstance(content, (list, tuple)) else content
     if not isinstance(content, str):
-        raise BadRow("bad messages", f"{where}.content must be a string, got {type_name(content)}")
+        raise BadRow("bad messages", f"{where}.content must be a string or a list of text parts, got "
+                                     f"{type_name(content)}")
     unicode_text(role, f"{where}.role")
     unicode_text(content, f"{where}.content")
-    return {key: value for key, value in item.items() if value is not None}
+    return {**{key: value for key, value in item.items() if value is not None}, "content": content}
+
+
+def _text_parts(parts: Sequence[Any], where: str) -> str:
+    """Content given as OpenAI's list of parts: the ``{"type": "text", "text": ...}`` parts' texts joined
+    with newlines, as vLLM joins them for a template that takes string content. Any other part
+    (an image, audio, a file) is an error: spin-batch reads text only."""
+    texts = []
+    for i, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind != "text":
+            got = f"type {kind!r}" if isinstance(part, Mapping) else type_name(part)
+            raise BadRow("bad messages", f"{where}[{i}] must be a text part ({{\"type\": \"text\", \"text\": ...}}), "
+                                         f"got {got}; spin-batch reads text only")
+        if not isinstance(part.get("text"), str):
+            raise BadRow("bad messages", f"{where}[{i}].text must be a string, got {type_name(part.get('text'))}")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def parse_messages(value: Any, name: str = "messages") -> tuple[dict, ...]:
-    """Validate a non-empty list of ``{"role": str, "content": str}`` dicts."""
+    """Validate a non-empty list of ``{"role": str, "content": str or text parts}`` dicts (parts joined)."""
     if not isinstance(value, (list, tuple)):
         raise BadRow("bad messages", f"{name} must be a list of messages, got {type_name(value)}")
     if not value:
