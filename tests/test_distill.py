@@ -323,7 +323,7 @@ def test_a_draft_without_tokenizer_files_validates_loads_and_drafts(tmp_path, ti
     assert sorted(p.name for p in bare.iterdir()) == ["config.json", "model.safetensors"]
     job = parse_job({
         "input": {"paths": ["x.jsonl"]}, "output": {"dir": "o"}, "target": {"model": str(tiny_dir)},
-        "drafters": [{"name": "bare", "kind": "model", "model": str(bare)}],
+        "drafters": [{"name": "bare", "kind": "model", "model": str(bare)}], "batch": {"max_model_len": 256},
     })
     assert check_models(job) == []
     target = load_model(tiny_dir)
