@@ -27,6 +27,7 @@ from .drafters.model import FeatureDrafter, ModelDrafter
 from .drafters.ngram import NgramDrafter
 from .drafters.vote import VoteDrafter
 from .engine.loop import BatchLoop, LoopSettings
+from .engine.prefix_cache import PrefixCache
 from .models import cpu_plan, loader
 from .models.distilled import TargetFeatures, draft_meta, load_draft
 from .models.hf_backend import TransformersModel
@@ -181,7 +182,22 @@ def loop_settings(job: JobConfig, eos: frozenset[int], device: torch.device) -> 
         ignore_eos=s.ignore_eos,
         eos_token_ids=eos,
         pipeline=pipeline,
+        n=s.n,
     )
+
+
+def prefix_exact(target) -> bool:
+    """Whether a reused K/V row is the one a prefill would write: the target's rows are batch-invariant
+    (the whole decoder in C, docs/kernels.md), not on torch's GEMMs, Triton or the transformers backend."""
+    return isinstance(target, LlamaModel) and target.c_decoder is not None and not target.kernels
+
+
+def make_prefix_cache(job: JobConfig, target) -> PrefixCache | None:
+    """The job's prefix cache: batch.prefix_cache on, or auto where reuse is exact (prefix_exact); else None."""
+    mode = job.batch.prefix_cache
+    if mode == "off" or (mode == "auto" and not prefix_exact(target)):
+        return None
+    return PrefixCache(job.batch.prefix_cache_mb << 20)
 
 
 def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
@@ -198,7 +214,7 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     policy = make_policy(job.spin.selector, drafters, job.spin.num_speculative_tokens, job.sampling.seed,
                          job.spin.confidence_gate, backoff=job.spin.backoff, tree_nodes=job.spin.tree_nodes)
     loop = BatchLoop(target, tokenizer, loop_settings(job, eos_ids(target_dir, tokenizer), device), policy, drafters,
-                     cache, stats)
+                     cache, stats, make_prefix_cache(job, target))
     return Engine(target_dir, target, tokenizer, loop, time.perf_counter() - t0)
 
 

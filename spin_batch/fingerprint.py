@@ -58,6 +58,8 @@ def fingerprint(job: JobConfig) -> dict[str, Any]:
     rows_may_sample = i.format == "openai" or i.params_column is not None
     if not s.greedy or rows_may_sample:
         fp.update({"sampling.seed": s.seed, "sampling.top_p": s.top_p, "sampling.top_k": s.top_k})
+    if s.n != 1:  # samples per prompt (absent at 1, so older outputs keep their fingerprint)
+        fp["sampling.n"] = s.n
     return json.loads(json.dumps(fp))
 
 

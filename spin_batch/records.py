@@ -25,6 +25,7 @@ class RowParams:
     top_k: int | None = None  # >= 0; 0: off
     stop: tuple[str, ...] | None = None  # stop strings (each non-empty)
     seed: int | None = None  # the row's random stream (sampling); else derived from the job seed and the id
+    n: int | None = None  # >= 1: samples of the prompt (each its own output row, `index` 0..n-1)
 
 
 NO_PARAMS = RowParams()
@@ -85,6 +86,8 @@ class Completion:
     decode_time_s: float = 0.0
     token_ids: tuple[int, ...] = ()  # the generated token ids (what the bench compares across methods)
     share_s: float = 0.0  # the request's share of the steps' wall time (a step's time / the slots it served)
+    index: int = 0  # which sample of the request (n > 1), 0 for the first
+    more: tuple[Completion, ...] = ()  # on sample 0's completion: samples 1 .. n - 1, in order
 
     @property
     def status(self) -> Literal["ok", "error"]:

@@ -146,6 +146,8 @@ class TargetConfig:
 
 # --------------------------------------------------------------------------- spin / batch / sampling
 
+MAX_N = 128  # the most samples per prompt (sampling.n, a row's n)
+
 #: Selector grammar: selector kind -> what its ``:<argument>`` must be
 #: (``None`` = takes no argument, ``"drafter"`` = a configured drafter name).
 #: ``auto`` is not listed: it is resolved to one of these at parse time.
@@ -231,6 +233,10 @@ class BatchConfig:
     slots: int = 8
     max_model_len: int = 1024
     max_num_batched_tokens: int = 512
+    # reuse the K/V of prompt prefixes across rows (engine/prefix_cache.py; docs/prefix_cache.md): auto is on
+    # where reuse is exact (the target on the C decoder), on | off force it
+    prefix_cache: Literal["auto", "on", "off"] = "auto"
+    prefix_cache_mb: int = 512  # its byte budget, least recently used blocks out first
 
     @classmethod
     def _parse(cls, s: _Section) -> BatchConfig:
@@ -245,6 +251,8 @@ class BatchConfig:
             slots=slots,
             max_model_len=s.take("max_model_len", _int(lo=16)),
             max_num_batched_tokens=budget,
+            prefix_cache=s.take("prefix_cache", _switch),
+            prefix_cache_mb=s.take("prefix_cache_mb", _int(lo=1)),
         )
 
 
@@ -259,6 +267,7 @@ class SamplingConfig:
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    n: int = 1  # samples per prompt, each its own output row (index 0 .. n - 1); the prompt is prefilled once
 
     @property
     def greedy(self) -> bool:
@@ -275,4 +284,5 @@ class SamplingConfig:
             max_tokens=s.take("max_tokens", _int(lo=1)),
             stop=s.take("stop", _texts(nonempty=False)),
             ignore_eos=s.take("ignore_eos", _bool),
+            n=s.take("n", _int(lo=1, hi=MAX_N)),
         )

@@ -23,10 +23,15 @@ from ..models.segments import Segments
 from ..stats import RunStats, StepRecord
 from ..selection.policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
 from ..records import Completion, Request
-from ..sampling import SamplingParams, make_generator
+from ..sampling import SamplingParams
+from .prefill_share import PrefillShare, SampleGroup, reuse_order, sample_generator
+from .prefix_cache import PrefixCache
 from .stopping import Stopping, StopRule
 from .tree_verify import DraftTree, accept_trees
 from .verify import Verdict, accept_drafts
+
+
+REUSE_WINDOW = 2  # with a prefix cache, requests read ahead to order for reuse: this many per slot
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class LoopSettings:
     ignore_eos: bool = False
     eos_token_ids: frozenset[int] = frozenset()
     pipeline: bool = False  # two micro-batches: one drafts while the other verifies
+    n: int = 1  # samples per prompt (the job's; a row's own params override it)
 
 
 @dataclass
@@ -63,6 +69,9 @@ class Slot:
     share_s: float = 0.0  # this request's share of step wall time (step time / slots in the step)
     finish_reason: str | None = None
     text: str | None = None
+    sample: int = 0  # which of its request's n samples
+    group: SampleGroup | None = None  # its request's samples, where n > 1
+    reuse_prefix: bool = True  # may take cached prefix blocks (off: a row that needs every prompt position's logits)
 
     @property
     def decoding(self) -> bool:
@@ -85,6 +94,7 @@ class Plan:
     flat: torch.Tensor  # [N] token ids
     logits_rows: list[int]  # rows that need logits: every decode row, the last row of finishing chunks
     finishing: list[Slot]  # slots whose prompt completes in this step (they take their first token)
+    reused: int = 0  # prompt tokens copied into slots instead of prefilled (prefill_share.py)
 
 
 class BatchLoop:
@@ -97,6 +107,7 @@ class BatchLoop:
         drafters: dict[str, Drafter] | None = None,
         cache: KVCache | None = None,
         stats: RunStats | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.target = target
         self.tok = tokenizer
@@ -114,14 +125,17 @@ class BatchLoop:
                                if d.features is not None}.values())
         # whether the target's forward verifies token-tree segments (the transformers backend does not)
         self.tree_segments = getattr(target, "tree_segments", True)
+        self.prefix = prefix_cache
+        self.share = PrefillShare(prefix_cache, self.cache, self._features)
+        self._queued: list[SampleGroup] = []  # requests with samples not yet in a slot
 
     # -- admission ----------------------------------------------------------------------
 
-    def admit(self, req: Request, prompt_ids: list[int]) -> None:
+    def admit(self, req: Request, prompt_ids: list[int], sample: int = 0, group: SampleGroup | None = None) -> None:
         idx = self.slots.index(None)
         sp, rule = self.settings_of(req)
-        gen = None if sp.greedy else make_generator(self.cfg.seed, req.id or req.source, req.params.seed)
-        self.slots[idx] = Slot(idx, req, len(prompt_ids), list(prompt_ids), sp, rule, gen)
+        gen = None if sp.greedy else sample_generator(self.cfg.seed, req, sample)
+        self.slots[idx] = Slot(idx, req, len(prompt_ids), list(prompt_ids), sp, rule, gen, sample=sample, group=group)
         for d in self.drafters.values():
             d.on_admit(idx)
         self.policy.on_admit(idx, req.id)
@@ -142,6 +156,14 @@ class BatchLoop:
             eos=frozenset() if cfg.ignore_eos else cfg.eos_token_ids,
         )
         return sp, rule
+
+    def _admit_samples(self) -> None:
+        """Queued samples of admitted requests take the free slots (before any new request)."""
+        while self._queued and self.free_slots:
+            g = self._queued[0]
+            self.admit(g.req, g.ids, g.queued.pop(0), g)
+            if not g.queued:
+                self._queued.pop(0)
 
     @property
     def free_slots(self) -> int:
@@ -306,8 +328,9 @@ class BatchLoop:
             flat.extend(d)
         budget = max(self.cfg.max_num_batched_tokens - len(flat), 1)
         chunks, finishing = [], []
+        waiting, reused = self.share.before_plan(self.active) if prefill else (set(), 0)
         for s in self.active if prefill else []:
-            if s.decoding or budget <= 0:
+            if s.decoding or budget <= 0 or s.index in waiting:
                 continue
             n = min(s.prompt_len - s.prefilled, budget)
             budget -= n
@@ -323,7 +346,7 @@ class BatchLoop:
             seg_parents += [None for _ in chunks]
         seg = Segments.build(parts, self.target.device, seg_parents)
         flat_t = torch.tensor(flat, dtype=torch.long, device=self.target.device)
-        return Plan(decode, chunks, drafts, trees, seg, flat_t, rows, finishing)
+        return Plan(decode, chunks, drafts, trees, seg, flat_t, rows, finishing, reused)
 
     def verify(self, plan: Plan) -> torch.Tensor:
         """The step's one packed target forward; logits [len(plan.logits_rows), V]."""
@@ -361,6 +384,7 @@ class BatchLoop:
         """Append new tokens, roll caches back to the committed length, finish and free slots."""
         for s, n in plan.chunks:
             s.prefilled += n
+        plan.reused += self.share.after_commit([s for s, _ in plan.chunks], self.active)
         if verdict.paths is not None:
             self._keep_paths(plan, verdict)
         generated = 0
@@ -414,14 +438,17 @@ class BatchLoop:
     def _finish(self, s: Slot) -> None:
         gen = s.generated
         text = s.text if s.text is not None else self.stopping.text(gen, s.rule)
-        self.finished.append(Completion(
+        done = Completion(
             s.req, text, s.finish_reason, s.prompt_len, len(gen),
             num_spec_steps=s.spec_steps, num_draft_tokens=s.draft_tokens, num_accepted_draft_tokens=s.accepted_tokens,
             drafter_pulls=dict(s.pulls), decode_time_s=time.perf_counter() - s.t_start,
-            token_ids=tuple(gen), share_s=s.share_s,
-        ))
-        self.stats.observe_row("ok", s.prompt_len)
+            token_ids=tuple(gen), share_s=s.share_s, index=s.sample,
+        )
         self.slots[s.index] = None
+        if s.group is not None and (done := s.group.finish(done)) is None:
+            return  # the request's other samples are still going
+        self.finished.append(done)
+        self.stats.observe_row("ok", s.prompt_len)
 
     def _record(self, plan: Plan, choices: list[Choice], verdict: Verdict, generated: int,
                 times: dict[str, float]) -> StepRecord:
@@ -440,6 +467,7 @@ class BatchLoop:
             active=len(plan.decode) + len(plan.chunks),
             forward_tokens=plan.seg.num_tokens,
             prefill_tokens=sum(n for _, n in plan.chunks),
+            reused_tokens=plan.reused,
             generated=generated,
             packed_cells=plan.seg.packed_tokens(),
             padded_cells=plan.seg.padded_tokens(),
@@ -470,9 +498,12 @@ class BatchLoop:
         """
         self.policy.on_stream()  # one loop may run several streams (a Ray Data actor: one per batch)
         stream = iter(requests)
+        if self.prefix is not None:  # rows whose prompt starts with cached blocks first, within a window
+            stream, encode = reuse_order(stream, encode, self.prefix, REUSE_WINDOW * self.cfg.slots)
         held: Request | None = None  # read ahead to learn whether the stream is done; admitted first
         exhausted = False
         while True:
+            self._admit_samples()
             while not exhausted and not should_stop() and (self.free_slots or held is None):
                 req, held = held or next(stream, None), None
                 if req is None:
@@ -485,6 +516,7 @@ class BatchLoop:
                     failed = self._admit_or_error(req, encode)
                     if failed is not None:
                         emit(failed)
+                    self._admit_samples()
             if not self.active or should_stop():
                 return
             for done in self.step():
@@ -504,7 +536,11 @@ class BatchLoop:
             self.stats.observe_row("error", 0)
             return Completion.failed(req, f"prompt has {len(ids)} tokens; max_model_len {self.cfg.max_model_len} "
                                           "leaves no room to generate", prompt_tokens=len(ids))
-        self.admit(req, ids)
+        n = self.cfg.n if req.params.n is None else req.params.n
+        group = SampleGroup(req, ids, n, list(range(1, n))) if n > 1 else None
+        self.admit(req, ids, 0, group)
+        if group is not None:
+            self._queued.append(group)
         return None
 
 
