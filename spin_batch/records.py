@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
+MAX_SAMPLES = 128  # the most samples one prompt may ask for (sampling.n, a row's n)
+
+
 @dataclass(frozen=True)
 class RowParams:
     """One row's own generation settings; a field left None takes the job's value.

@@ -76,7 +76,7 @@ def test_text_neutral_fields_are_accepted(tmp_path: Path) -> None:
                 tool_choice="none", response_format={"type": "text"}, service_tier="auto", top_k=-1)
     request = one(tmp_path, line)
     assert request.ok, request.error
-    assert request.params == RowParams(top_k=0)  # -1 is vLLM's "off", as sampling.top_k
+    assert request.params == RowParams(top_k=0, n=1)  # -1 is vLLM's "off", as sampling.top_k; n: 1 asked
 
 
 def test_max_tokens_and_max_completion_tokens(tmp_path: Path) -> None:
@@ -114,7 +114,7 @@ def test_stop_list_and_empty_list(tmp_path: Path) -> None:
     ({"stop": 5}, "body.stop must be a string or a list of strings, got 5"),
     ({"seed": 1.5}, "body.seed must be an integer, got 1.5"),
     ({"seed": 2**63}, "body.seed must be a 64-bit signed integer"),
-    ({"n": 2}, "body.n = 2 is not supported"),
+    ({"n": 0}, "body.n must be an integer in 1..128, got 0"),
     ({"best_of": 3}, "body.best_of = 3 is not supported"),
     ({"logprobs": True}, "body.logprobs = true is not supported: it would change the output"),
     ({"top_logprobs": 5}, "body.top_logprobs = 5 is not supported"),
@@ -126,7 +126,7 @@ def test_stop_list_and_empty_list(tmp_path: Path) -> None:
     ({"logit_bias": {"50256": -100}}, 'body.logit_bias = {"50256": -100} is not supported'),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "body.tools = "),
     ({"response_format": {"type": "json_object"}}, 'body.response_format = {"type": "json_object"}'),
-    ({"n": True}, "body.n = true is not supported"),  # a bool is not the number 1
+    ({"n": True}, "body.n must be an integer, got true"),  # a bool is not the number 1
     ({"reasoning_effort": "low"}, "body.reasoning_effort is not supported"),
     ({"prompt": "also"}, "body.prompt does not belong in this request: its endpoint reads body.messages"),
     ({"model": 5}, "body.model must be a string, got int"),
@@ -246,7 +246,7 @@ def test_keep_columns_of_openai_lines(tmp_path: Path) -> None:
 
 
 def test_check_input_names_the_first_bad_line(tmp_path: Path) -> None:
-    lines = [chat("a"), completion("b"), "", chat("c", logprobs=True), chat("d", n=3), chat("e", temperature=-1)]
+    lines = [chat("a"), completion("b"), "", chat("c", logprobs=True), chat("d", best_of=3), chat("e", temperature=-1)]
     path = write_jsonl(tmp_path / "batch.jsonl", lines).resolve()
     problems = check_input([path])
     assert problems[0] == (f"2 bad rows (unsupported field); first at {path}#3 (line 4): body.logprobs = true is "
@@ -301,8 +301,9 @@ def test_one_check_for_bodies_and_params_columns() -> None:
         assert from_body.value.message.removeprefix("body.") == from_column.value.message.removeprefix("params.")
     assert row_params({"temperature": 1, "max_tokens": 5}) == RowParams(max_tokens=5, temperature=1.0)
     assert column_params(None, "params") is NO_PARAMS
-    with pytest.raises(ParamError, match="params.n is not a sampling field"):
-        column_params({"n": 1}, "params")  # a params column takes only the sampling fields
+    with pytest.raises(ParamError, match="params.best_of is not a sampling field"):
+        column_params({"best_of": 1}, "params")  # a params column takes only the sampling fields
+    assert column_params({"n": 3}, "params") == RowParams(n=3)
     with pytest.raises(ParamError, match="params must be an object with sampling fields"):
         column_params([0.5], "params")
 

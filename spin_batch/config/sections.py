@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..records import MAX_SAMPLES
 from .parsing import (
     BACKENDS,
     _bool,
@@ -145,8 +146,6 @@ class TargetConfig:
 
 
 # --------------------------------------------------------------------------- spin / batch / sampling
-
-MAX_N = 128  # the most samples per prompt (sampling.n, a row's n)
 
 #: Selector grammar: selector kind -> what its ``:<argument>`` must be
 #: (``None`` = takes no argument, ``"drafter"`` = a configured drafter name).
@@ -284,5 +283,5 @@ class SamplingConfig:
             max_tokens=s.take("max_tokens", _int(lo=1)),
             stop=s.take("stop", _texts(nonempty=False)),
             ignore_eos=s.take("ignore_eos", _bool),
-            n=s.take("n", _int(lo=1, hi=MAX_N)),
+            n=s.take("n", _int(lo=1, hi=MAX_SAMPLES)),
         )

@@ -1,13 +1,13 @@
 """A row's own generation settings: one check for an OpenAI request body and a params column.
 
 Both name the same sampling fields (``max_tokens`` / ``max_completion_tokens``, ``temperature``,
-``top_p``, ``top_k``, ``stop``, ``seed``); :func:`row_params` checks them once and gives a
+``top_p``, ``top_k``, ``stop``, ``seed``, ``n``); :func:`row_params` checks them once and gives a
 :class:`RowParams`, a field absent or null taking the job's value. A bad value raises
 :class:`ParamError`, which the reader turns into an error row.
 
 An OpenAI body may hold more than sampling fields. :func:`body_params` accepts the few that do not
 change the text (``model``, which is echoed, ``user``, ``metadata`` ...) and fields that spin-batch
-cannot honour only at the value that changes nothing (``n: 1``, ``logprobs: false``,
+cannot honour only at the value that changes nothing (``best_of: 1``, ``logprobs: false``,
 ``presence_penalty: 0`` ...); any other field or value is an error, never silently ignored.
 """
 
@@ -19,12 +19,12 @@ from collections.abc import Mapping
 from numbers import Integral, Real
 from typing import Any
 
-from ..records import NO_PARAMS, RowParams
+from ..records import MAX_SAMPLES, NO_PARAMS, RowParams
 
 __all__ = ["SAMPLING_FIELDS", "ParamError", "body_params", "column_params", "row_params"]
 
 #: The per-row sampling fields, in an OpenAI body and in a params column alike.
-SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n")
 
 #: Body fields that do not change the text: accepted and ignored (``model`` is echoed).
 IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options",
@@ -32,7 +32,6 @@ IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier"
 
 #: Body fields spin-batch cannot honour, accepted only at the value that changes nothing (or null).
 NEUTRAL_VALUES: dict[str, Any] = {
-    "n": 1,
     "best_of": 1,
     "stream": False,
     "logprobs": False,
@@ -144,6 +143,7 @@ def row_params(fields: Mapping[str, Any], where: str = "") -> RowParams:
         top_k=get("top_k", _top_k),
         stop=get("stop", _stop),
         seed=get("seed", lambda n, v: _integer(n, v, *_INT64, expected="a 64-bit signed integer")),
+        n=get("n", lambda n, v: _integer(n, v, 1, MAX_SAMPLES, f"an integer in 1..{MAX_SAMPLES}")),
     )
 
 
