@@ -218,6 +218,15 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     return Engine(target_dir, target, tokenizer, loop, time.perf_counter() - t0)
 
 
+def prefix_summary(prefix: PrefixCache | None) -> dict:
+    """summary.json's `prefix_cache`: whether it ran, its budget and what it held and did."""
+    if prefix is None:
+        return {"enabled": False}
+    return {"enabled": True, "budget_mb": prefix.budget_bytes / 2**20, "used_mb": prefix.used_bytes / 2**20,
+            "blocks": len(prefix), "block_tokens": prefix.block, "blocks_stored": prefix.stored,
+            "blocks_evicted": prefix.evicted, "tokens_reused": prefix.reused}
+
+
 def backends(engine: Engine) -> dict:
     """Which backend and path each model runs on and why (native: cpu_plan.py, execution.py; transformers:
     hf_backend.py): the target's, and each model drafter's."""

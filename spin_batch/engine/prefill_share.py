@@ -4,9 +4,10 @@ Before each step is planned (BatchLoop.plan), every slot still prefilling takes 
 computing it:
 
 - a sample of a request with n > 1 copies the prompt's K/V (all but the last token) from a live
-  sibling that has prefilled it, or waits, unplanned, while a sibling is prefilling it: the prompt is
-  prefilled once, and each sample feeds only the last prompt token, whose logits give its first
-  token;
+  sibling that has prefilled it, or from the copy its group kept of them while samples were still
+  queued for a slot (with fewer free slots than samples), or waits, unplanned, while a sibling is
+  prefilling it: the prompt is prefilled once, and each sample feeds only the last prompt token, whose
+  logits give its first token;
 - any other prefilling slot copies the cached blocks (prefix_cache.py) that begin its prompt past
   what it holds already, up to its last prompt token.
 
@@ -41,6 +42,8 @@ class SampleGroup:
     n: int
     queued: list[int] = field(default_factory=list)  # sample indices not yet in a slot
     done: dict[int, Completion] = field(default_factory=dict)
+    # the prompt's K/V [2, layers, kv_heads, len - 1, head_dim] (and features), kept while samples are queued
+    kept: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
 
     def finish(self, c: Completion) -> Completion | None:
         """Record a sample's completion; the group's (sample 0 carrying the others) once all are in."""
@@ -79,13 +82,16 @@ class PrefillShare:
                 continue
             if s.group is not None:
                 src = self._sibling_source(s, active)
-                if src is not None:
+                if src is not None or s.group.kept is not None:
                     reused += self._fork(src, s)
                     continue
                 if self._sibling_prefilling(s, active):
                     waiting.add(s.index)
                     continue
             reused += self._from_cache(s)
+        for s in active:  # a group with every sample in a slot needs its kept copy no more
+            if s.group is not None and not s.group.queued:
+                s.group.kept = None
         return waiting, reused
 
     def after_commit(self, prefilled: list, active: list) -> int:
@@ -99,6 +105,10 @@ class PrefillShare:
                 for t in active:
                     if t is not s and t.group is s.group and t.prefilled < t.prompt_len - 1:
                         reused += self._fork(s, t)
+                if s.group.queued and s.group.kept is None:  # samples wait for a slot: keep the prompt for them
+                    n = s.prompt_len - 1
+                    s.group.kept = (torch.stack((self.cache.k[:, s.index, :, :n], self.cache.v[:, s.index, :, :n])),
+                                    tuple(f.g[s.index, :n].clone() for f in self.features))
         return reused
 
     def _from_cache(self, s) -> int:
@@ -126,11 +136,19 @@ class PrefillShare:
         return first is not s
 
     def _fork(self, src, dst) -> int:
-        """Copy src's prompt K/V (and features), all but the last prompt token, into dst."""
+        """Copy the prompt's K/V (and features), all but the last prompt token, into dst: from the sibling src,
+        or (src None) from the group's kept copy."""
         n = dst.prompt_len - 1
-        self.cache.copy_rows(src.index, dst.index, n)
-        for f in self.features:
-            f.g[dst.index, :n] = f.g[src.index, :n]
+        if src is not None:
+            self.cache.copy_rows(src.index, dst.index, n)
+            for f in self.features:
+                f.g[dst.index, :n] = f.g[src.index, :n]
+        else:
+            kv, feats = dst.group.kept
+            self.cache.k[:, dst.index, :, :n] = kv[0]
+            self.cache.v[:, dst.index, :, :n] = kv[1]
+            for f, g in zip(self.features, feats):
+                f.g[dst.index, :n] = g
         got = n - dst.prefilled
         dst.prefilled = n
         return got

@@ -54,6 +54,8 @@ OUTPUT_SCHEMA = pa.schema(
         # for a row with no usable id or a repeated one, which such row it is
         pa.field("input_digest", pa.string(), nullable=True),
         pa.field("input_key", pa.string(), nullable=True),
+        # which sample of its request the row is (n samples per prompt: 0 .. n - 1); null in older parts: 0
+        pa.field("index", pa.int32(), nullable=True),
     ]
 )
 
@@ -195,6 +197,7 @@ def completion_row(c: Completion, *, model: str | None = None, prefix: str = "in
     row["model"] = req.model or model
     row["created"] = int(time.time()) if created is None else created
     row["input_digest"], row["input_key"] = req.digest, req.input_key
+    row["index"] = c.index
     row.update(columns.kept_values(req.keep, prefix, OUTPUT_SCHEMA.names))
     return row
 
