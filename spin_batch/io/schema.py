@@ -177,6 +177,7 @@ def error_row(source: str, id: str | None, message: str, prompt_tokens: int = 0)
         "created": None,
         "input_digest": None,
         "input_key": None,
+        "index": 0,
     }
 
 
