@@ -17,6 +17,9 @@ Methods (extensible through METHODS):
   spin-nogate turns the drafters' confidence gate off (spin.confidence_gate: false); spin-nobackoff
   speculates at every step the bandit chooses to (spin.backoff: false); spin-chains drafts chains
   only (spin.tree_nodes: 0).
+- <method>+noprefix / <method>+prefix: a loop method with the prefix cache off / on (each run starts with
+  an empty cache of batch.prefix_cache_mb); a loop method alone takes the job's batch.prefix_cache, so
+  `autoregressive,autoregressive+noprefix` compares the cache on and off where it is on by default.
 - oracle: a hindsight schedule, then run. From the runs above, each request is given the method
   (a fixed drafter, or no drafting) that cost it the least time, where a request's time is its
   share of each step; then the loop runs once more with every request on its given method.
@@ -45,6 +48,17 @@ from .io.reader import iter_requests
 from .io.shards import list_shards
 from .records import Request
 from .build import Engine, backends, build_engine, make_encoder
+from .engine.prefix_cache import PrefixCache
+
+PREFIX_SUFFIXES = {"+noprefix": False, "+prefix": True}  # a loop method's prefix cache forced off / on
+
+
+def split_prefix(method: str) -> tuple[str, bool | None]:
+    """(the loop method, its prefix cache: forced on or off, or None for the job's setting)."""
+    for suffix, on in PREFIX_SUFFIXES.items():
+        if method.endswith(suffix):
+            return method.removesuffix(suffix), on
+    return method, None
 
 
 # -- the bench ----------------------------------------------------------------------------
@@ -85,7 +99,10 @@ def check_methods(methods: list[str], job: JobConfig) -> None:
     from . import llamacpp
 
     names = {d.name for d in job.drafters}
-    for m in methods:
+    for method in methods:
+        m, forced = split_prefix(method)
+        if forced is not None and (m in ("hf_generate", "oracle") or is_llamacpp(m) or m in BACKEND_METHODS):
+            raise ValueError(f"bench method {method!r}: +prefix / +noprefix apply to our loop's methods only")
         if m in ("hf_generate", "oracle") or m in SELECTOR_METHODS or m in BACKEND_METHODS:
             continue
         if m.startswith("fixed:") and m.split(":", 1)[1] in names:
@@ -161,15 +178,18 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
         others = {m: backend_engine(sjob, BACKEND_METHODS[m]) for m in methods if m in BACKEND_METHODS}
         passes = warmup if warmup is not None else int(engine.target.device.type == "cuda")
 
-        def loop_run(m: str, r: int) -> MethodRun:
-            if m in others:
-                return run_loop(others[m], "none", 0, data, slots, r, m, False)
+        def loop_run(label: str, r: int) -> MethodRun:
+            if label in others:
+                return run_loop(others[label], "none", 0, data, slots, r, label, False)
+            m, forced = split_prefix(label)
+            on = engine.loop.prefix is not None if forced is None else forced
+            prefix = PrefixCache(sjob.batch.prefix_cache_mb << 20) if on else None
             pipeline = {"spin-nopipe": False, "spin-pipe": True}.get(m, job_pipeline)
             gate = job.spin.confidence_gate and m != "spin-nogate"
             backoff = job.spin.backoff and m != "spin-nobackoff"
             nodes = 0 if m == "spin-chains" else job.spin.tree_nodes
-            return run_loop(engine, SELECTOR_METHODS.get(m, m), job.spin.num_speculative_tokens, data, slots, r, m,
-                            pipeline, gate, backoff=backoff, tree_nodes=nodes)
+            return run_loop(engine, SELECTOR_METHODS.get(m, m), job.spin.num_speculative_tokens, data, slots, r, label,
+                            pipeline, gate, backoff=backoff, tree_nodes=nodes, prefix=prefix)
 
         for w in range(passes):
             for m in loop_methods:
@@ -278,6 +298,9 @@ def table(runs: list[MethodRun]) -> list[dict]:
             "target_forwards_per_token": _median_of(group, lambda s: s.get("target_forwards_per_generated_token")),
             "padding_saved_fraction": _median_of(group, lambda s: s.get("padding_saved_fraction")),
             "generated_tokens": statistics.median(r.generated for r in group),
+            "wall_s": statistics.median(r.wall_s for r in group),
+            "prompt_tokens_prefilled": _median_of(group, lambda s: s.get("prompt_tokens_prefilled")),
+            "prefix_hit_rate": _median_of(group, lambda s: s.get("prefix_hit_rate")),
             "peak_rss_mb": max(r.peak_rss_mb for r in group),
         })
     return rows
@@ -383,6 +406,8 @@ def markdown(rows: list[dict]) -> str:
             ("vs AR", "ratio_vs_autoregressive", "{:.2f}x"), ("vs AR range", "ratio_vs_autoregressive_min", None),
             ("accept len", "mean_acceptance_length", "{:.2f}"), ("drafted/step", "drafted_per_step", "{:.1f}"),
             ("fwd/token", "target_forwards_per_token", "{:.2f}"), ("padding saved", "padding_saved_fraction", "{:.0%}"),
+            ("wall s", "wall_s", "{:.1f}"), ("prefilled", "prompt_tokens_prefilled", "{:.0f}"),
+            ("prefix hit", "prefix_hit_rate", "{:.0%}"),
             ("peak RSS MB", "peak_rss_mb", "{:.0f}")]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
     def cell(r: dict, k: str, fmt: str | None) -> str:
@@ -411,6 +436,8 @@ def write_results(runs: list[MethodRun], out: Path) -> dict[str, Path]:
     raw = _arrow([{
         "method": r.method, "slots": r.slots, "repeat": r.repeat, "wall_s": r.wall_s, "generated_tokens": r.generated,
         "tokens_per_s": r.tok_s, "peak_rss_mb": r.peak_rss_mb,
+        "prompt_tokens_prefilled": r.summary.get("prompt_tokens_prefilled"),
+        "prompt_tokens_reused": r.summary.get("prompt_tokens_reused"),
         "mean_acceptance_length": _mean_acceptance(r.summary), "drafted_per_step": _drafted_per_step(r.summary),
         **{f"{stage}_s": t for stage, t in r.summary.get("stage_time_s", {}).items()},
         **{f"cuda_graph_{k}": v for k, v in r.summary.get("cuda_graphs", {}).items()},

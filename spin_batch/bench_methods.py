@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from .bench_policies import assigned_policy
 from .config import JobConfig
 from .engine.loop import BatchLoop
+from .engine.prefix_cache import PrefixCache
 from .records import Completion, Request
 from .build import Engine
 from .selection.factory import make_policy
@@ -53,14 +54,15 @@ def peak_rss_mb() -> float:
 
 def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots: int, repeat: int,
              label: str, pipeline: bool, gate: bool = True, assign: dict[str, str | None] | None = None,
-             backoff: bool = True, tree_nodes: int = 0) -> MethodRun:
+             backoff: bool = True, tree_nodes: int = 0, prefix: PrefixCache | None = None) -> MethodRun:
     """One timed run of our loop: a fresh BatchLoop over the engine's target, drafters and cache, with its
-    own policy and stats; each request's generated ids and share of step time come from its Completion."""
+    own policy and stats (and `prefix`, a prefix cache, empty, or None: off); each request's generated ids
+    and share of step time come from its Completion."""
     drafters = engine.loop.drafters
     policy = assigned_policy(drafters, gamma, assign, gate) if assign is not None else \
         make_policy(selector, drafters, gamma, confidence_gate=gate, backoff=backoff, tree_nodes=tree_nodes)
     loop = BatchLoop(engine.target, engine.tokenizer, replace(engine.loop.cfg, pipeline=pipeline), policy, drafters,
-                     cache=engine.loop.cache, stats=RunStats())
+                     cache=engine.loop.cache, stats=RunStats(), prefix_cache=prefix)
     tokens: dict[str, list[int]] = {}
     shares: dict[str, float] = {}
 

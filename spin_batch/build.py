@@ -29,6 +29,7 @@ from .drafters.vote import VoteDrafter
 from .engine.logprobs import LogprobAsk
 from .engine.controls import LogitControls
 from .engine.loop import BatchLoop, LoopSettings
+from .engine.prefix_cache import PrefixCache
 from .models import cpu_plan, loader
 from .models.distilled import TargetFeatures, draft_meta, load_draft
 from .models.hf_backend import TransformersModel
@@ -223,7 +224,22 @@ def loop_settings(job: JobConfig, eos: frozenset[int], device: torch.device,
         min_tokens=s.min_tokens,
         controls=LogitControls(s.min_p, s.logit_bias, s.repetition_penalty, s.presence_penalty, s.frequency_penalty),
         openai_defaults=generation if s.openai_defaults == "model" else None,
+        n=s.n,
     )
+
+
+def prefix_exact(target) -> bool:
+    """Whether a reused K/V row is the one a prefill would write: the target's rows are batch-invariant
+    (the whole decoder in C, docs/kernels.md), not on torch's GEMMs, Triton or the transformers backend."""
+    return isinstance(target, LlamaModel) and target.c_decoder is not None and not target.kernels
+
+
+def make_prefix_cache(job: JobConfig, target) -> PrefixCache | None:
+    """The job's prefix cache: batch.prefix_cache on, or auto where reuse is exact (prefix_exact); else None."""
+    mode = job.batch.prefix_cache
+    if mode == "off" or (mode == "auto" and not prefix_exact(target)):
+        return None
+    return PrefixCache(job.batch.prefix_cache_mb << 20)
 
 
 def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
@@ -240,8 +256,17 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     policy = make_policy(job.spin.selector, drafters, job.spin.num_speculative_tokens, job.sampling.seed,
                          job.spin.confidence_gate, backoff=job.spin.backoff, tree_nodes=job.spin.tree_nodes)
     settings = loop_settings(job, eos_ids(target_dir, tokenizer), device, generation_defaults(target_dir))
-    loop = BatchLoop(target, tokenizer, settings, policy, drafters, cache, stats)
+    loop = BatchLoop(target, tokenizer, settings, policy, drafters, cache, stats, make_prefix_cache(job, target))
     return Engine(target_dir, target, tokenizer, loop, time.perf_counter() - t0)
+
+
+def prefix_summary(prefix: PrefixCache | None) -> dict:
+    """summary.json's `prefix_cache`: whether it ran, its budget and what it held and did."""
+    if prefix is None:
+        return {"enabled": False}
+    return {"enabled": True, "budget_mb": prefix.budget_bytes / 2**20, "used_mb": prefix.used_bytes / 2**20,
+            "blocks": len(prefix), "block_tokens": prefix.block, "blocks_stored": prefix.stored,
+            "blocks_evicted": prefix.evicted, "tokens_reused": prefix.reused}
 
 
 def backends(engine: Engine) -> dict:

@@ -1,8 +1,9 @@
 """`spin-batch export OUTPUT_DIR --to FILE`: every worker's output parts as one file, in input order.
 
 The rows are those :func:`spin_batch.io.outputs.read_output_table` gives (each key's latest row: a
-retried or redone row replaces the row it redid, so one row per id; the input columns the rows carry
-beside spin-batch's), ordered by input position; a part that cannot be read whole fails the export,
+retried or redone row replaces the row it redid, so one row per id, or n rows with ``index`` 0 .. n - 1 for
+a row decoded as n samples; the input columns the rows carry beside spin-batch's), ordered by input
+position, then index; a part that cannot be read whole fails the export,
 naming it. A row's ``source`` is ``"<shard path>#<row index>"``; the job reads its
 shards in sorted path order (``list_shards``), so rows are ordered by shard path, then by row index as
 a number. The file is written under a temporary name in the same folder and renamed into place, so a
@@ -66,7 +67,8 @@ def ordered_table(out_dir: str | Path, *, errors: bool = True) -> pa.Table:
 def _in_order(table: pa.Table, errors: bool = True) -> pa.Table:
     if not errors:
         table = table.filter(pc.not_equal(table.column("status"), "error"))
-    order = sorted(range(table.num_rows), key=lambda i, s=table.column("source").to_pylist(): _position(s[i]))
+    sources, indices = table.column("source").to_pylist(), table.column("index").to_pylist()
+    order = sorted(range(table.num_rows), key=lambda i: (_position(sources[i]), indices[i] or 0))
     return table.take(pa.array(order, type=pa.int64()))
 
 

@@ -130,6 +130,9 @@ class SpinBatchPredictor:
         if threads is not None:  # torch's and our CPU kernels' OpenMP threads (they share one runtime)
             torch.set_num_threads(threads)
         self.job = parse_job(job, overrides, source="<ray data job>")
+        if self.job.sampling.n != 1:  # a batch maps row to row: one output row per input row
+            raise ValueError(f"sampling.n is {self.job.sampling.n}; the Ray Data path writes one row per input row "
+                             "and takes n = 1 only (spin-batch run writes a row per sample)")
         self.engine = build_engine(self.job)
         self.encode = make_encoder(self.engine.tokenizer, self.job)
         self.preprocess, self.postprocess = preprocess, postprocess
@@ -158,6 +161,9 @@ class SpinBatchPredictor:
         rows: dict[str, dict] = {}
 
         def emit(done: Completion) -> None:
+            if done.more:  # a row's own n > 1: one output row per input row here
+                done = Completion.failed(done.request, "n > 1 is not supported on the Ray Data path (one output row "
+                                                       "per input row); spin-batch run writes a row per sample")
             rows[done.request.source] = completion_row(done)
 
         t0 = time.perf_counter()

@@ -16,6 +16,9 @@ MAX_LOGPROBS = 20
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
+MAX_SAMPLES = 128  # the most samples one prompt may ask for (sampling.n, a row's n)
+
+
 @dataclass(frozen=True)
 class RowParams:
     """One row's own generation settings; a field left None takes the job's value.
@@ -45,6 +48,7 @@ class RowParams:
         """These settings, with each field left None taken from ``base``."""
         return RowParams(**{f.name: getattr(base, f.name) if getattr(self, f.name) is None else getattr(self, f.name)
                             for f in fields(self)})
+    n: int | None = None  # >= 1: samples of the prompt (each its own output row, `index` 0..n-1)
 
 
 NO_PARAMS = RowParams()
@@ -125,6 +129,8 @@ class Completion:
     logprobs: tuple[TokenLogprob, ...] | None = None  # [completion_tokens] when the request asked for them
     # [prompt_tokens] when it asked for them; the first is None (no distribution comes before it)
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    index: int = 0  # which sample of the request (n > 1), 0 for the first
+    more: tuple[Completion, ...] = ()  # on sample 0's completion: samples 1 .. n - 1, in order
 
     @property
     def status(self) -> Literal["ok", "error"]:

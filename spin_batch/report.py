@@ -31,6 +31,8 @@ def load(out_dir: Path) -> dict:
     # the stats intervals of all runs (a run killed with -9 loses its last interval, up to stats_interval_s).
     parts = [*(out_dir / "outputs").glob("part-*.parquet"), *(out_dir / "stats").glob("stats-*.parquet")]
     runs = {tuple(p.name.split("-")[1:3]) for p in parts}  # (worker, run id)
+    prefill = {k: float(stats[f"{k}_tokens"].fill_null(0).sum()) if f"{k}_tokens" in stats.columns else 0.0
+               for k in ("prefill", "reused")}  # prompt tokens computed, and copied in (prefix cache, samples)
     if stats.height:
         run_time = float(stats["interval_s"].sum())
         tokens = float(stats["generated_tokens"].sum())
@@ -49,6 +51,8 @@ def load(out_dir: Path) -> dict:
         "decode_time_s": run_time,
         "tokens_per_s": tokens / run_time if run_time else None,
         "drafters": {k: dict(v) for k, v in drafters.items()},
+        "prefill_tokens": int(prefill["prefill"]),
+        "reused_tokens": int(prefill["reused"]),
         "stats": stats,
     }
 
@@ -59,6 +63,7 @@ def text_table(info: dict) -> str:
         f"rows: {info['rows']}  " + "  ".join(f"{k}={v}" for k, v in sorted(info["status"].items(), key=str)),
         "finish: " + "  ".join(f"{k}={v}" for k, v in sorted(info["finish_reason"].items(), key=str)),
         f"tokens: prompt {info['prompt_tokens']}, completion {info['completion_tokens']}",
+        prefill_line(info.get("prefill_tokens", 0), info.get("reused_tokens", 0)),
         f"runs: {info['runs']} ({'finished' if info['finished'] else 'running or interrupted'}), decode time "
         f"{info['decode_time_s']:.1f}s" + (f", {info['tokens_per_s']:.1f} tok/s" if info["tokens_per_s"] else ""),
         "",
@@ -70,6 +75,13 @@ def text_table(info: dict) -> str:
         length = f"{(acc + spec) / spec:.2f}" if spec else "-"
         lines.append(f"{name:<16}{int(d.get('pulls', 0)):>8}{int(drafted):>10}{int(acc):>10}{rate:>13}{length:>12}")
     return "\n".join(lines)
+
+
+def prefill_line(prefilled: int, reused: int) -> str:
+    """Prompt tokens the target computed and those reused (prefix cache, n samples), and the hit rate."""
+    total = prefilled + reused
+    rate = f"{reused / total:.1%}" if total else "-"
+    return f"prefill: {prefilled} prompt tokens computed, {reused} reused (prefix hit rate {rate})"
 
 
 def _run_start(run_id: str) -> float | None:

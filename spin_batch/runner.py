@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .build import Engine, backends, build_engine, make_encoder, model_backend
+from .build import Engine, backends, build_engine, make_encoder, model_backend, prefix_summary
 from .config import JobConfig, job_to_dict
 from .export import write_results
 from .fingerprint import check_fingerprint, check_workers
@@ -152,7 +152,8 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
 
     def emit(completion: Completion) -> None:
         nonlocal replaced, done_mine
-        writer.add(completion_row(completion, model=job.target.served_names[0], prefix=job.output.column_prefix))
+        writer.add_many([completion_row(c, model=job.target.served_names[0], prefix=job.output.column_prefix)
+                         for c in (completion, *completion.more)])  # a request's samples, in one part
         replaced += done.replaces(completion.request)
         emitted[0] += 1
         if upfront and completion.request.source in done.sources:  # counted done, but its input changed
@@ -200,6 +201,7 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
         "finished": stop.signum is None,
         **stats.summary(),
         "drafter_stats": {n: d.stats() for n, d in engine.loop.drafters.items() if d.stats()},
+        "prefix_cache": prefix_summary(engine.loop.prefix),
         "backends": backends(engine),
     }
     name = "summary.json" if num_shards == 1 else f"summary-{worker}.json"

@@ -10,7 +10,7 @@ STAGES = ("select", "draft", "verify", "accept", "commit", "learn")
 # Every interval record has these totals' columns, observed or not, so that all stats parts of a
 # job share one schema (a resume with nothing to do wrote 4 columns where a run wrote 28, and
 # reading stats/*.parquet as one table failed).
-TOTALS = ("steps", "forward_tokens", "prefill_tokens", "generated_tokens", "packed_cells", "padded_cells",
+TOTALS = ("steps", "forward_tokens", "prefill_tokens", "reused_tokens", "generated_tokens", "packed_cells", "padded_cells",
           "active_slot_steps", *(f"time_{stage}_s" for stage in STAGES), "rows_ok", "rows_error", "prompt_tokens")
 DRAFTER_KEYS = ("drafted", "accepted", "spec_steps", "pulls")
 
@@ -30,6 +30,7 @@ class StepRecord:
     accepted: dict[str, int] = field(default_factory=dict)  # per drafter: draft tokens accepted
     spec_steps: dict[str, int] = field(default_factory=dict)  # per drafter: verified segments with >= 1 draft
     pulls: dict[str, int] = field(default_factory=dict)  # per drafter (or "none"): times chosen
+    reused_tokens: int = 0  # prompt tokens copied into slots (prefix cache, a sibling sample) instead of prefilled
 
 
 class RunStats:
@@ -57,6 +58,7 @@ class RunStats:
         t["steps"] += 1
         t["forward_tokens"] += rec.forward_tokens
         t["prefill_tokens"] += rec.prefill_tokens
+        t["reused_tokens"] += rec.reused_tokens
         t["generated_tokens"] += rec.generated
         t["packed_cells"] += rec.packed_cells
         t["padded_cells"] += rec.padded_cells
@@ -124,6 +126,11 @@ class RunStats:
             "generated_tokens_per_s": t["generated_tokens"] / wall if wall > 0 else 0.0,
             "steps": int(steps),
             "target_forward_tokens": int(t["forward_tokens"]),
+            # prompt tokens the target computed, and those copied in instead (prefix cache, n samples)
+            "prompt_tokens_prefilled": int(t["prefill_tokens"]),
+            "prompt_tokens_reused": int(t["reused_tokens"]),
+            "prefix_hit_rate": (t["reused_tokens"] / (t["reused_tokens"] + t["prefill_tokens"])
+                                if t["reused_tokens"] + t["prefill_tokens"] else 0.0),
             "target_forwards_per_generated_token": steps / t["generated_tokens"] if t["generated_tokens"] else None,
             "mean_active_slots": t["active_slot_steps"] / steps if steps else 0.0,
             "padded_attention_cells": int(t["padded_cells"]),

@@ -29,7 +29,7 @@ LINES = [
     line("c-2", CHAT_URL, messages=[{"role": "system", "content": "be brief"},
                                     {"role": "user", "content": "what causes the tides?"}],
          max_completion_tokens=3, temperature=0.8, seed=7),
-    line("bad-n", COMPLETIONS_URL, model="my-base", prompt="once upon a time", n=2),
+    line("bad-n", COMPLETIONS_URL, model="my-base", prompt="once upon a time", n=0),
     line("p-2", COMPLETIONS_URL, model="my-base", prompt="def add(a, b):", max_tokens=5, top_k=3, temperature=0.5),
     {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
     line("p-3", COMPLETIONS_URL, prompt="compute 12 * 7", temperature=0),

@@ -76,8 +76,9 @@ def test_text_neutral_fields_are_accepted(tmp_path: Path) -> None:
                 tool_choice="none", response_format={"type": "text"}, service_tier="auto", top_k=-1)
     request = one(tmp_path, line)
     assert request.ok, request.error
-    # -1 is vLLM's "off", as sampling.top_k; zero penalties and an empty bias are the row's own (they change nothing)
-    assert request.params == RowParams(top_k=0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=())
+    # -1 is vLLM's "off", as sampling.top_k; zero penalties and an empty bias are the row's own (they change
+    # nothing); n: 1 asked
+    assert request.params == RowParams(top_k=0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=(), n=1)
 
 
 def test_max_tokens_and_max_completion_tokens(tmp_path: Path) -> None:
@@ -115,7 +116,7 @@ def test_stop_list_and_empty_list(tmp_path: Path) -> None:
     ({"stop": 5}, "body.stop must be a string or a list of strings, got 5"),
     ({"seed": 1.5}, "body.seed must be an integer, got 1.5"),
     ({"seed": 2**63}, "body.seed must be a 64-bit signed integer"),
-    ({"n": 2}, "body.n = 2 is not supported"),
+    ({"n": 0}, "body.n must be an integer in 1..128, got 0"),
     ({"best_of": 3}, "body.best_of = 3 is not supported"),
     ({"logprobs": 3}, "body.logprobs must be true or false, got 3"),
     ({"top_logprobs": 5}, "body.top_logprobs needs body.logprobs: true"),
@@ -139,7 +140,7 @@ def test_stop_list_and_empty_list(tmp_path: Path) -> None:
      "body.messages[0].content[0] must be a text part"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "body.tools = "),
     ({"response_format": {"type": "json_object"}}, 'body.response_format = {"type": "json_object"}'),
-    ({"n": True}, "body.n = true is not supported"),  # a bool is not the number 1
+    ({"n": True}, "body.n must be an integer, got true"),  # a bool is not the number 1
     ({"reasoning_effort": "low"}, "body.reasoning_effort is not supported"),
     ({"prompt": "also"}, "body.prompt does not belong in this request: its endpoint reads body.messages"),
     ({"model": 5}, "body.model must be a string, got int"),
@@ -259,7 +260,7 @@ def test_keep_columns_of_openai_lines(tmp_path: Path) -> None:
 
 
 def test_check_input_names_the_first_bad_line(tmp_path: Path) -> None:
-    lines = [chat("a"), completion("b"), "", chat("c", echo=True), chat("d", n=3), chat("e", temperature=-1)]
+    lines = [chat("a"), completion("b"), "", chat("c", echo=True), chat("d", best_of=3), chat("e", temperature=-1)]
     path = write_jsonl(tmp_path / "batch.jsonl", lines).resolve()
     problems = check_input([path])
     assert problems[0] == (f"2 bad rows (unsupported field); first at {path}#3 (line 4): body.echo = true is "
@@ -314,8 +315,9 @@ def test_one_check_for_bodies_and_params_columns() -> None:
         assert from_body.value.message.removeprefix("body.") == from_column.value.message.removeprefix("params.")
     assert row_params({"temperature": 1, "max_tokens": 5}) == RowParams(max_tokens=5, temperature=1.0)
     assert column_params(None, "params") is NO_PARAMS
-    with pytest.raises(ParamError, match="params.n is not a sampling field"):
-        column_params({"n": 1}, "params")  # a params column takes only the sampling fields
+    with pytest.raises(ParamError, match="params.best_of is not a sampling field"):
+        column_params({"best_of": 1}, "params")  # a params column takes only the sampling fields
+    assert column_params({"n": 3}, "params") == RowParams(n=3)
     with pytest.raises(ParamError, match="params must be an object with sampling fields"):
         column_params([0.5], "params")
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..records import LOGPROBS_MODES, MAX_LOGPROBS
+from ..records import LOGPROBS_MODES, MAX_LOGPROBS, MAX_SAMPLES
 from .parsing import (
     BACKENDS,
     _bool,
@@ -243,6 +243,10 @@ class BatchConfig:
     slots: int = 8
     max_model_len: int = 1024
     max_num_batched_tokens: int = 512
+    # reuse the K/V of prompt prefixes across rows (engine/prefix_cache.py; docs/prefix_cache.md): auto is on
+    # where reuse is exact (the target on the C decoder), on | off force it
+    prefix_cache: Literal["auto", "on", "off"] = "auto"
+    prefix_cache_mb: int = 512  # its byte budget, least recently used blocks out first
 
     @classmethod
     def _parse(cls, s: _Section) -> BatchConfig:
@@ -257,6 +261,8 @@ class BatchConfig:
             slots=slots,
             max_model_len=s.take("max_model_len", _int(lo=16)),
             max_num_batched_tokens=budget,
+            prefix_cache=s.take("prefix_cache", _switch),
+            prefix_cache_mb=s.take("prefix_cache_mb", _int(lo=1)),
         )
 
 
@@ -287,6 +293,7 @@ class SamplingConfig:
     # model: the model's generation_config.json, else vLLM's defaults (temperature 1), as vLLM
     # does; job: this section's values, as a plain row does
     openai_defaults: Literal["model", "job"] = "model"
+    n: int = 1  # samples per prompt, each its own output row (index 0 .. n - 1); the prompt is prefilled once
 
     @property
     def greedy(self) -> bool:
@@ -314,6 +321,7 @@ class SamplingConfig:
             repetition_penalty=s.take("repetition_penalty", _num(lambda x: x > 0, "> 0")),
             logit_bias=s.take("logit_bias", _logit_bias),
             openai_defaults=s.take("openai_defaults", _choice("model", "job")),
+            n=s.take("n", _int(lo=1, hi=MAX_SAMPLES)),
         )
         if s.ok("min_tokens", "max_tokens") and sampling.min_tokens > sampling.max_tokens:
             s.errs.add(s.key_path("min_tokens"), f"must be <= sampling.max_tokens ({sampling.max_tokens}), "

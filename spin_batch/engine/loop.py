@@ -23,13 +23,18 @@ from ..models.segments import Segments
 from ..stats import RunStats, StepRecord
 from ..selection.policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
 from ..records import Completion, Request
-from ..sampling import SamplingParams, make_generator
+from ..sampling import SamplingParams
 from .logprobs import NO_LOGPROBS, LogprobAsk, Scored, TokenTexts, prompt_rows, score_new_tokens, score_prompts
 from .controls import NO_CONTROLS, LogitControls, apply_controls, chain_prefixes, tree_prefixes
 from .settings import LoopSettings, refusal, request_settings
+from .prefill_share import PrefillShare, SampleGroup, reuse_order, sample_generator
+from .prefix_cache import PrefixCache
 from .stopping import Stopping, StopRule
 from .tree_verify import DraftTree, accept_trees
 from .verify import Verdict, accept_drafts
+
+
+REUSE_WINDOW = 2  # with a prefix cache, requests read ahead to order for reuse: this many per slot
 
 
 @dataclass
@@ -56,6 +61,9 @@ class Slot:
     ask: LogprobAsk = NO_LOGPROBS  # the log-probabilities it asks for, kept below as they come
     logprobs: list[Scored] = field(default_factory=list)
     prompt_logprobs: list[Scored | None] = field(default_factory=lambda: [None])
+    sample: int = 0  # which of its request's n samples
+    group: SampleGroup | None = None  # its request's samples, where n > 1
+    reuse_prefix: bool = True  # may take cached prefix blocks (off: a row that needs every prompt position's logits)
 
     @property
     def decoding(self) -> bool:
@@ -86,6 +94,7 @@ class Plan:
     finishing: list[Slot]  # slots whose prompt completes in this step (they take their first token)
     # (slot, first position, rows) of prompt chunks scored for prompt logprobs: their rows close logits_rows
     prompt: list[tuple[Slot, int, int]] = field(default_factory=list)
+    reused: int = 0  # prompt tokens copied into slots instead of prefilled (prefill_share.py)
 
 
 class BatchLoop:
@@ -98,6 +107,7 @@ class BatchLoop:
         drafters: dict[str, Drafter] | None = None,
         cache: KVCache | None = None,
         stats: RunStats | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.target = target
         self.tok = tokenizer
@@ -116,15 +126,19 @@ class BatchLoop:
         # whether the target's forward verifies token-tree segments (the transformers backend does not)
         self.tree_segments = getattr(target, "tree_segments", True)
         self.texts = TokenTexts(tokenizer)
+        self.prefix = prefix_cache
+        self.share = PrefillShare(prefix_cache, self.cache, self._features)
+        self._queued: list[SampleGroup] = []  # requests with samples not yet in a slot
 
     # -- admission ----------------------------------------------------------------------
 
-    def admit(self, req: Request, prompt_ids: list[int]) -> None:
+    def admit(self, req: Request, prompt_ids: list[int], sample: int = 0, group: SampleGroup | None = None) -> None:
         idx = self.slots.index(None)
         sp, rule, controls = self.settings_of(req)
-        gen = None if sp.greedy else make_generator(self.cfg.seed, req.id or req.source, req.params.seed)
+        gen = None if sp.greedy else sample_generator(self.cfg.seed, req, sample)
         ask = self.cfg.logprobs.of_row(req.params.logprobs, req.params.prompt_logprobs, rule.max_tokens)
-        self.slots[idx] = Slot(idx, req, len(prompt_ids), list(prompt_ids), sp, rule, gen, controls, ask=ask)
+        self.slots[idx] = Slot(idx, req, len(prompt_ids), list(prompt_ids), sp, rule, gen, controls, ask=ask,
+                               sample=sample, group=group, reuse_prefix=ask.prompt_logprobs is None)
         for d in self.drafters.values():
             d.on_admit(idx)
         self.policy.on_admit(idx, req.id)
@@ -132,6 +146,14 @@ class BatchLoop:
     def settings_of(self, req: Request) -> tuple[SamplingParams, StopRule, LogitControls]:
         """A request's sampling settings, stop rule and logits controls (engine/settings.py)."""
         return request_settings(self.cfg, req)
+
+    def _admit_samples(self) -> None:
+        """Queued samples of admitted requests take the free slots (before any new request)."""
+        while self._queued and self.free_slots:
+            g = self._queued[0]
+            self.admit(g.req, g.ids, g.queued.pop(0), g)
+            if not g.queued:
+                self._queued.pop(0)
 
     @property
     def free_slots(self) -> int:
@@ -299,8 +321,9 @@ class BatchLoop:
             flat.extend(d)
         budget = max(self.cfg.max_num_batched_tokens - len(flat), 1)
         chunks, finishing, prompt, prompt_flat = [], [], [], []
+        waiting, reused = self.share.before_plan(self.active) if prefill else (set(), 0)
         for s in self.active if prefill else []:
-            if s.decoding or budget <= 0:
+            if s.decoding or budget <= 0 or s.index in waiting:
                 continue
             n = min(s.prompt_len - s.prefilled, budget)
             budget -= n
@@ -319,7 +342,7 @@ class BatchLoop:
             seg_parents += [None for _ in chunks]
         seg = Segments.build(parts, self.target.device, seg_parents)
         flat_t = torch.tensor(flat, dtype=torch.long, device=self.target.device)
-        return Plan(decode, chunks, drafts, trees, seg, flat_t, rows + prompt_flat, finishing, prompt)
+        return Plan(decode, chunks, drafts, trees, seg, flat_t, rows + prompt_flat, finishing, prompt, reused)
 
     def verify(self, plan: Plan) -> torch.Tensor:
         """The step's one packed target forward; logits [len(plan.logits_rows), V]."""
@@ -376,6 +399,7 @@ class BatchLoop:
         """Append new tokens (and the logprobs of those kept), roll caches back, finish and free slots."""
         for s, n in plan.chunks:
             s.prefilled += n
+        plan.reused += self.share.after_commit([s for s, _ in plan.chunks], self.active)
         if verdict.paths is not None:
             self._keep_paths(plan, verdict)
         generated = 0
@@ -433,16 +457,19 @@ class BatchLoop:
     def _finish(self, s: Slot) -> None:
         gen = s.generated
         text = s.text if s.text is not None else self.stopping.text(gen, s.rule)
-        self.finished.append(Completion(
+        done = Completion(
             s.req, text, s.finish_reason, s.prompt_len, len(gen),
             num_spec_steps=s.spec_steps, num_draft_tokens=s.draft_tokens, num_accepted_draft_tokens=s.accepted_tokens,
             drafter_pulls=dict(s.pulls), decode_time_s=time.perf_counter() - s.t_start,
-            token_ids=tuple(gen), share_s=s.share_s,
+            token_ids=tuple(gen), share_s=s.share_s, index=s.sample,
             logprobs=None if s.ask.logprobs is None else tuple(map(self.texts.record, s.logprobs)),
             prompt_logprobs=None if s.ask.prompt_logprobs is None else tuple(map(self.texts.record, s.prompt_logprobs)),
-        ))
-        self.stats.observe_row("ok", s.prompt_len)
+        )
         self.slots[s.index] = None
+        if s.group is not None and (done := s.group.finish(done)) is None:
+            return  # the request's other samples are still going
+        self.finished.append(done)
+        self.stats.observe_row("ok", s.prompt_len)
 
     def _record(self, plan: Plan, choices: list[Choice], verdict: Verdict, generated: int,
                 times: dict[str, float]) -> StepRecord:
@@ -461,6 +488,7 @@ class BatchLoop:
             active=len(plan.decode) + len(plan.chunks),
             forward_tokens=plan.seg.num_tokens,
             prefill_tokens=sum(n for _, n in plan.chunks),
+            reused_tokens=plan.reused,
             generated=generated,
             packed_cells=plan.seg.packed_tokens(),
             padded_cells=plan.seg.padded_tokens(),
@@ -491,9 +519,12 @@ class BatchLoop:
         """
         self.policy.on_stream()  # one loop may run several streams (a Ray Data actor: one per batch)
         stream = iter(requests)
+        if self.prefix is not None:  # rows whose prompt starts with cached blocks first, within a window
+            stream, encode = reuse_order(stream, encode, self.prefix, REUSE_WINDOW * self.cfg.slots)
         held: Request | None = None  # read ahead to learn whether the stream is done; admitted first
         exhausted = False
         while True:
+            self._admit_samples()
             while not exhausted and not should_stop() and (self.free_slots or held is None):
                 req, held = held or next(stream, None), None
                 if req is None:
@@ -506,6 +537,7 @@ class BatchLoop:
                     failed = self._admit_or_error(req, encode)
                     if failed is not None:
                         emit(failed)
+                    self._admit_samples()
             if not self.active or should_stop():
                 return
             for done in self.step():
@@ -525,7 +557,11 @@ class BatchLoop:
         if problem is not None:
             self.stats.observe_row("error", 0)
             return Completion.failed(req, problem, prompt_tokens=len(ids))
-        self.admit(req, ids)
+        n = self.cfg.n if req.params.n is None else req.params.n
+        group = SampleGroup(req, ids, n, list(range(1, n))) if n > 1 else None
+        self.admit(req, ids, 0, group)
+        if group is not None:
+            self._queued.append(group)
         return None
 
 

@@ -34,6 +34,7 @@ class LoopSettings:
     # what an OpenAI line's omitted fields take before the job's (the model's generation config); None: the job's
     openai_defaults: RowParams | None = None
     logprobs: LogprobAsk = NO_LOGPROBS  # the job's; a row's own logprobs / prompt_logprobs override it
+    n: int = 1  # samples per prompt (the job's; a row's own params override it)
 
 
 def request_settings(cfg: LoopSettings, req: Request) -> tuple[SamplingParams, StopRule, LogitControls]:

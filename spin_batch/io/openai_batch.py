@@ -9,7 +9,9 @@ One JSON object a line::
 
 The body is a ``chat.completion`` (``choices[0].message``) for a row whose endpoint is "chat"
 and a ``text_completion`` (``choices[0].text``) otherwise, with ``usage`` from the row's token
-counts. An error row answers as vLLM's batch runner does: ``status_code`` 400, no body, and
+counts. A request decoded as n samples (rows with ``index`` 0 .. n - 1, one after another) answers
+in one line with n choices, as OpenAI's ``n`` does: ``usage`` counts the prompt once and the
+completion tokens of every choice. An error row answers as vLLM's batch runner does: ``status_code`` 400, no body, and
 ``error`` ``{"code": "invalid_request_error", "message": <the row's error>}``.
 
 ``<key>`` is derived from the row's source and creation time, so exporting the same rows twice
@@ -82,43 +84,58 @@ def _prompt_logprobs(entries: list[Mapping[str, Any] | None]) -> list[dict[str, 
     return out
 
 
-def _body(row: Mapping[str, Any], key: str, default_model: str) -> dict[str, Any]:
-    chat = row.get("endpoint") == "chat"
-    choice: dict[str, Any] = {"index": 0, "finish_reason": row["finish_reason"], "logprobs": None}
+def _choice(row: Mapping[str, Any], chat: bool) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": row.get("index") or 0, "finish_reason": row["finish_reason"], "logprobs": None}
     if row.get("logprobs") is not None:
         choice["logprobs"] = (_chat_logprobs if chat else _completion_logprobs)(row["logprobs"])
     if chat:
         choice["message"] = {"role": "assistant", "content": row["text"]}
     else:
         choice["text"] = row["text"]
+    return choice
+
+
+def _body(row: Mapping[str, Any], key: str, default_model: str, samples: list[Mapping[str, Any]] = ()) -> dict:
+    chat = row.get("endpoint") == "chat"
+    completion = row["completion_tokens"] + sum(s["completion_tokens"] for s in samples)
     body = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{key}",
         "object": "chat.completion" if chat else "text_completion",
         "created": row.get("created") or 0,
         "model": row.get("model") or default_model,
-        "choices": [choice],
-        "usage": {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["completion_tokens"],
-                  "total_tokens": row["prompt_tokens"] + row["completion_tokens"]},
+        "choices": [_choice(r, chat) for r in (row, *samples)],
+        "usage": {"prompt_tokens": row["prompt_tokens"], "completion_tokens": completion,
+                  "total_tokens": row["prompt_tokens"] + completion},
     }
     if row.get("prompt_logprobs") is not None:
         body["prompt_logprobs"] = _prompt_logprobs(row["prompt_logprobs"])
     return body
 
 
-def response_line(row: Mapping[str, Any], default_model: str) -> dict[str, Any]:
-    """One output row (OUTPUT_SCHEMA's columns) as an OpenAI batch response line."""
+def response_line(row: Mapping[str, Any], default_model: str, samples: list[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """One output row (OUTPUT_SCHEMA's columns) as an OpenAI batch response line; `samples`: the rows of the
+    request's samples 1 .. n - 1, in order, where it has more than one."""
     key = _key(row)
     if row["status"] == "error":
         return {"id": f"batch_req_{key}", "custom_id": row["id"],
                 "response": {"status_code": 400, "request_id": f"req_{key}", "body": None},
                 "error": {"code": ERROR_CODE, "message": row["error"]}}
     return {"id": f"batch_req_{key}", "custom_id": row["id"],
-            "response": {"status_code": 200, "request_id": f"req_{key}", "body": _body(row, key, default_model)},
+            "response": {"status_code": 200, "request_id": f"req_{key}", "body": _body(row, key, default_model, samples)},
             "error": None}
 
 
 def response_lines(table: pa.Table, default_model: str) -> Iterator[str]:
-    """Each row of ``table``, in order, as one JSON line (without the newline)."""
+    """Each request of ``table``, in order, as one JSON line (without the newline): a row, with the rows of
+    its later samples (index > 0, same source) that follow it."""
+    group: list[dict] = []
     for batch in table.to_batches(max_chunksize=4096):
         for row in batch.to_pylist():
-            yield json.dumps(response_line(row, default_model), ensure_ascii=False)
+            if group and (row.get("index") or 0) > 0 and row["source"] == group[0]["source"]:
+                group.append(row)
+                continue
+            if group:
+                yield json.dumps(response_line(group[0], default_model, group[1:]), ensure_ascii=False)
+            group = [row]
+    if group:
+        yield json.dumps(response_line(group[0], default_model, group[1:]), ensure_ascii=False)

@@ -113,13 +113,28 @@ def _keys(table: pa.Table) -> list[Key]:
     return [row_key(*values) for values in zip(*(table.column(c).to_pylist() for c in _KEY_COLUMNS))]
 
 
-def _latest(keys: list[Key], sources: list[str], digests: list[str | None]) -> dict[Key, int]:
+def _indices(table: pa.Table) -> list[int]:
+    """Each row's sample index (null, in parts older than the column: 0)."""
+    return [i or 0 for i in table.column("index").to_pylist()]
+
+
+def _latest(keys: list[Key], sources: list[str], digests: list[str | None], indices: list[int]) -> dict[Key, int]:
     """Each key's latest row, of rows given oldest first. A row with a digest also replaces an older
-    row written before rows had one and keyed by its place there (``("src", its source)``)."""
+    row written before rows had one and keyed by its place there (``("src", its source)``).
+
+    A request's samples (n > 1) are written together, sample 0 first: sample i > 0 is kept under its key
+    plus i, and a later sample 0 of the key replaces the whole earlier group."""
     latest: dict[Key, int] = {}
+    samples: dict[Key, list[Key]] = {}
     for i, key in enumerate(keys):
         if digests[i] is not None and key[0] != "src":
             latest.pop(("src", sources[i]), None)
+        if indices[i]:
+            samples.setdefault(key, []).append(key + (indices[i],))
+            latest[key + (indices[i],)] = i
+            continue
+        for older in samples.pop(key, ()):
+            latest.pop(older, None)
         latest[key] = i
     return latest
 
@@ -193,6 +208,7 @@ class _Scan:
         self.parts: list[Path] = []
         self.rows: list[tuple[int, int]] = []  # (part, row in it)
         self.keys: list[Key] = []
+        self.indices: list[int] = []
         self.written: list[Written] = []
         for path in sorted(_part_files(Path(out_dir) / OUTPUTS_DIR, "part"), key=_part_order):
             try:
@@ -205,13 +221,14 @@ class _Scan:
             self.rows += [(len(self.parts), row) for row in range(table.num_rows)]
             self.parts.append(path)
             self.keys += _keys(table)
+            self.indices += _indices(table)
             columns = (table.column(c).to_pylist() for c in ("id", "source", "input_digest", "status", "input_key"))
             self.written += [Written(i, s, d, status == "ok", k) for i, s, d, status, k in zip(*columns)]
 
     def latest(self) -> tuple[dict[Key, Written], dict[int, list[int]]]:
         """``{key: its latest row}``, and ``{part index: [row indices]}`` of the rows a later row of the
         same key replaced."""
-        latest = _latest(self.keys, [w.source for w in self.written], [w.digest for w in self.written])
+        latest = _latest(self.keys, [w.source for w in self.written], [w.digest for w in self.written], self.indices)
         winners = set(latest.values())
         superseded: dict[int, list[int]] = {}
         for i, (part, row) in enumerate(self.rows):
@@ -319,7 +336,8 @@ def read_output_table(out_dir: str | Path) -> pa.Table:
     if not tables:
         return OUTPUT_SCHEMA.empty_table()
     table = columns.merge_parts(tables, OUTPUT_SCHEMA.names)
-    latest = _latest(_keys(table), table.column("source").to_pylist(), table.column("input_digest").to_pylist())
+    latest = _latest(_keys(table), table.column("source").to_pylist(), table.column("input_digest").to_pylist(),
+                     _indices(table))
     if len(latest) < table.num_rows:  # a retried or redone row and the row it replaced
         table = table.take(pa.array(sorted(latest.values()), type=pa.int64()))
     return table

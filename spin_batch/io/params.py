@@ -1,7 +1,7 @@
 """A row's own generation settings: one check for an OpenAI request body and a params column.
 
 Both name the same sampling fields (``max_tokens`` / ``max_completion_tokens``, ``temperature``,
-``top_p``, ``top_k``, ``stop``, ``seed``, ``logprobs``, ``prompt_logprobs``, and the controls
+``top_p``, ``top_k``, ``stop``, ``seed``, ``n``, ``logprobs``, ``prompt_logprobs``, and the controls
 ``stop_token_ids``, ``min_tokens``, ``min_p``, ``presence_penalty``, ``frequency_penalty``,
 ``repetition_penalty``, ``logit_bias``, with the chat template's ``chat_template_kwargs``);
 :func:`row_params` checks them once and gives a :class:`RowParams`, a field absent or null taking the
@@ -14,8 +14,8 @@ vLLM's ``prompt_logprobs``; a ``/v1/chat/completions`` body asks with ``logprobs
 
 An OpenAI body may hold more than sampling fields. :func:`body_params` accepts the few that do not
 change the text (``model``, which is echoed, ``user``, ``metadata`` ...) and fields that spin-batch
-cannot honour only at the value that changes nothing (``n: 1``, ``logprobs: false``,
-``logprobs: false`` ...); any other field or value is an error, never silently ignored.
+cannot honour only at the value that changes nothing (``best_of: 1``, ``echo: false``
+...); any other field or value is an error, never silently ignored.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from dataclasses import replace
 from numbers import Integral, Real
 from typing import Any
 
-from ..records import MAX_LOGPROBS, NO_PARAMS, RowParams
+from ..records import MAX_LOGPROBS, MAX_SAMPLES, NO_PARAMS, RowParams
 
 __all__ = ["SAMPLING_FIELDS", "ParamError", "body_params", "column_params", "row_params"]
 
 #: The per-row sampling fields, in an OpenAI body and in a params column alike.
-SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed", "logprobs",
+SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "logprobs",
                    "prompt_logprobs", "stop_token_ids", "min_tokens", "min_p", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "logit_bias", "chat_template_kwargs")
 
@@ -42,7 +42,6 @@ IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier"
 
 #: Body fields spin-batch cannot honour, accepted only at the value that changes nothing (or null).
 NEUTRAL_VALUES: dict[str, Any] = {
-    "n": 1,
     "best_of": 1,
     "stream": False,
     "top_logprobs": 0,  # a /v1/completions body's (a chat body's asks for logprobs: _chat_logprobs)
@@ -189,6 +188,7 @@ def row_params(fields: Mapping[str, Any], where: str = "") -> RowParams:
         repetition_penalty=get("repetition_penalty", lambda n, v: _number(n, v, lambda x: x > 0, "> 0")),
         logit_bias=get("logit_bias", _logit_bias),
         chat_template_kwargs=get("chat_template_kwargs", _template_kwargs),
+        n=get("n", lambda n, v: _integer(n, v, 1, MAX_SAMPLES, f"an integer in 1..{MAX_SAMPLES}")),
     )
 
 

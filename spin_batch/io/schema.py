@@ -75,6 +75,8 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("prompt_logprob_sum", pa.float64(), nullable=True),
         pa.field("prompt_logprob_mean", pa.float64(), nullable=True),
         pa.field("prompt_perplexity", pa.float64(), nullable=True),
+        # which sample of its request the row is (n samples per prompt: 0 .. n - 1); null in older parts: 0
+        pa.field("index", pa.int32(), nullable=True),
     ]
 )
 
@@ -204,6 +206,7 @@ def error_row(source: str, id: str | None, message: str, prompt_tokens: int = 0)
         "prompt_logprob_sum": None,
         "prompt_logprob_mean": None,
         "prompt_perplexity": None,
+        "index": 0,
     }
 
 
@@ -224,6 +227,7 @@ def completion_row(c: Completion, *, model: str | None = None, prefix: str = "in
     row["model"] = req.model or model
     row["created"] = int(time.time()) if created is None else created
     row["input_digest"], row["input_key"] = req.digest, req.input_key
+    row["index"] = c.index
     row.update(columns.kept_values(req.keep, prefix, OUTPUT_SCHEMA.names))
     return row
 

@@ -186,9 +186,13 @@ class OutputWriter:
             OutputError: the row does not fit OUTPUT_SCHEMA.
             RuntimeError: the writer is closed.
         """
+        self.add_many([row])
+
+    def add_many(self, rows: list[Mapping[str, Any]]) -> None:
+        """Buffer rows that go into one part together (a request's n samples), then maybe write a part."""
         if self._closed:
             raise RuntimeError("OutputWriter is closed")
-        self._buffer.append(normalize_row(row))
+        self._buffer.extend(normalize_row(row) for row in rows)
         if len(self._buffer) >= self.rows_per_part:
             self.flush()
         else:

@@ -65,6 +65,11 @@ class KVCache:
         self.k[layer].view(-1, d).index_copy_(0, rows, k.reshape(-1, d))
         self.v[layer].view(-1, d).index_copy_(0, rows, v.reshape(-1, d))
 
+    def copy_rows(self, src: int, dst: int, n: int) -> None:
+        """Slot dst's first n rows, every layer, K and V, become slot src's (a prompt shared by samples)."""
+        for t in (self.k, self.v):
+            t[:, dst, :, :n] = t[:, src, :, :n]
+
     def keep_path(self, slot: int, cache_len: int, path: list[int]) -> int:
         """Keep one accepted path of a tree segment verified at cache_len in this slot; returns the
         slot's valid length after it, cache_len + 1 + len(path).
