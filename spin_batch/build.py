@@ -175,7 +175,7 @@ def loop_settings(job: JobConfig, eos: frozenset[int], device: torch.device) -> 
         max_model_len=job.batch.max_model_len,
         max_num_batched_tokens=job.batch.max_num_batched_tokens,
         max_tokens=s.max_tokens,
-        sampling=SamplingParams(s.temperature, s.top_k, s.top_p),
+        sampling=SamplingParams(s.temperature, s.top_k, s.top_p, sampler=s.sampler),
         seed=s.seed,
         stop=s.stop,
         ignore_eos=s.ignore_eos,

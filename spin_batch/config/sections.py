@@ -259,6 +259,7 @@ class SamplingConfig:
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    sampler: str = "gumbel"  # gumbel: the same text whatever is drafted; rejection (docs/numerics.md)
 
     @property
     def greedy(self) -> bool:
@@ -275,4 +276,5 @@ class SamplingConfig:
             max_tokens=s.take("max_tokens", _int(lo=1)),
             stop=s.take("stop", _texts(nonempty=False)),
             ignore_eos=s.take("ignore_eos", _bool),
+            sampler=s.take("sampler", _choice("gumbel", "rejection")),
         )

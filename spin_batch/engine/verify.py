@@ -10,9 +10,11 @@ Every verified segment therefore yields accepted + 1 new tokens.
 Inputs are ragged: the drafts of all segments are one flat list with offsets, and the target
 rows of segment i are rows [row_offsets[i], row_offsets[i] + gamma_i + 1).
 
-The rule is written once, in torch: accept_greedy (common_prefix with the argmax) and
-rejection_sample (with inverse_cdf from sampling.py). accept_drafts dispatches between it and the
-Triton kernel (accept_fused); accept_ref is the rule behind the kernel's interface, its test oracle.
+The rule is written once, in torch: accept_greedy (common_prefix with the argmax),
+accept_gumbel (common_prefix with each row's Gumbel-max token, gumbel.py: the sampler "gumbel") and
+rejection_sample (with inverse_cdf from sampling.py: the sampler "rejection"). accept_drafts
+dispatches between them and the Triton kernel (accept_fused, greedy and rejection sampling);
+accept_ref is the rule behind the kernel's interface, its test oracle.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Callable
 import torch
 
 from ..drafters.base import common_prefix
+from ..gumbel import gumbel_tokens, position_key, seed_of
 from ..models.cpu_decoder import argmax
 from ..sampling import SamplingParams, inverse_cdf, probs_from_logits, probs_per_row, uniform, uniform64
 
@@ -65,7 +68,38 @@ def accept_greedy(
     drafts: list[list[int]],  # [S] draft tokens per segment (may be empty)
 ) -> Verdict:
     """Longest prefix of each draft that matches the target's argmax, then the target's token."""
-    best = argmax(target_logits).tolist()  # [R]: the one host sync of the stage
+    return _accept_tokens(argmax(target_logits).tolist(), drafts)  # [R]: the one host sync of the stage
+
+
+def accept_gumbel(
+    target_logits: torch.Tensor,  # [R, V]
+    drafts: list[list[int]],  # [S]
+    gens: list[torch.Generator | None],  # [S] each request's stream, whose seed keys its noise (None: greedy)
+    sps: list[SamplingParams],  # [S]
+    starts: list[int],  # [S] each segment's first position: the index in its row's tokens of the token it adds first
+) -> Verdict:
+    """Longest prefix of each draft that matches the target's token per row, then the target's token: the
+    argmax for a greedy request, the Gumbel-max token at the row's position (gumbel.py) for a sampled one.
+    Each request's text is therefore plain decoding's with the same seed, whatever was drafted."""
+    best = argmax(target_logits).tolist()  # [R]
+    rows = [(row + j, seed_of(g), sp, start + j) for d, g, sp, start, row in zip(drafts, gens, sps, starts,
+                                                                                   segment_rows(drafts))
+            if not sp.greedy for j in range(len(d) + 1)]
+    if rows:
+        at = torch.tensor([r[0] for r in rows], device=target_logits.device)
+        got = gumbel_tokens(target_logits[at], [r[2] for r in rows], [position_key(r[1], r[3]) for r in rows])
+        for r, t in zip(rows, got):
+            best[r[0]] = t
+    return _accept_tokens(best, drafts)
+
+
+def uses_gumbel(sps: list[SamplingParams]) -> bool:
+    """Whether a batch's sampled requests take the Gumbel sampler (a job has one sampler for all rows)."""
+    return any(not sp.greedy and sp.sampler == "gumbel" for sp in sps)
+
+
+def _accept_tokens(best: list[int], drafts: list[list[int]]) -> Verdict:
+    """Each draft's longest prefix equal to the target's token per row (best [R]), then the target's token."""
     rows = segment_rows(drafts)
     accepted = [common_prefix(d, best[row : row + len(d)]) for d, row in zip(drafts, rows)]
     return Verdict(accepted, [d[:k] + [best[row + k]] for d, k, row in zip(drafts, accepted, rows)])
@@ -137,8 +171,14 @@ def accept_drafts(
     draft_probs: list[torch.Tensor | None],  # [S] as in accept_sampling (unused when greedy)
     gens: list[torch.Generator | None],  # [S] (None for greedy requests)
     sps: list[SamplingParams],  # [S] each request's settings (temperature, top-k, top-p)
+    starts: list[int] | None = None,  # [S] each segment's first position (the Gumbel sampler's noise)
 ) -> Verdict:
-    """The one dispatch: the Triton accept kernel when `kernels` is given, else the torch rule."""
+    """The one dispatch: the Gumbel rule when a sampled request takes it (torch), else the Triton accept
+    kernel when `kernels` is given, else the torch rule."""
+    if uses_gumbel(sps):
+        if starts is None:
+            raise ValueError("the Gumbel sampler needs each segment's position")
+        return accept_gumbel(target_logits, drafts, gens, sps, starts)
     if kernels is not None:
         return accept_fused(kernels, target_logits, drafts, draft_probs, gens, sps)
     if all(sp.greedy for sp in sps):
