@@ -100,8 +100,9 @@ def nucleus_floor(x: torch.Tensor, top_p: float) -> torch.Tensor:
     for k in TOP_P_CANDIDATES:
         if k >= x.shape[-1] or todo.numel() == 0:
             break
-        top = torch.topk(x[todo], k + 1, dim=-1)  # [m, k + 1]: k candidates and the largest one left out
-        kept, v = _nucleus(p[todo].gather(1, top.indices), top.values, top_p)
+        rows_x, rows_p = (x, p) if todo.numel() == x.shape[0] else (x[todo], p[todo])  # no copy at first
+        top = torch.topk(rows_x, k + 1, dim=-1)  # [m, k + 1]: k candidates and the largest one left out
+        kept, v = _nucleus(rows_p.gather(1, top.indices), top.values, top_p)
         # the candidates hold the nucleus when one of them is dropped and the one left out is below the floor
         held = (kept <= k) & (top.values[:, k] < v)
         floor[todo[held]] = v[held]

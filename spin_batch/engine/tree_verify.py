@@ -59,7 +59,7 @@ import torch
 from ..models.cpu_decoder import argmax
 from ..models.segments import tree_depths
 from ..sampling import SamplingParams, inverse_cdf, probs_per_row
-from .verify import Uniforms, accept_gumbel, recovered_probs, uses_gumbel
+from .verify import Uniforms, gumbel_walk, recovered_probs, uses_gumbel
 
 
 @dataclass(frozen=True)
@@ -216,9 +216,17 @@ def accept_trees(
 
 def gumbel_row_tokens(target_logits: torch.Tensor, trees: list[DraftTree], gens: list[torch.Generator | None],
                       sps: list[SamplingParams], starts: list[int]) -> list[int]:
-    """[R] the target's token per row: verify.accept_gumbel's, each row as a one-row segment at its
-    position (row 0 of a tree at the root's next position, row 1 + i at that plus node i's depth)."""
-    one = [[] for _ in range(target_logits.shape[0])]
-    rows = [(g, sp, start + depth) for t, g, sp, start in zip(trees, gens, sps, starts) for depth in [0, *t.depths()]]
-    verdict = accept_gumbel(target_logits, one, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
-    return [t[0] for t in verdict.tokens]
+    """[R] the target's token per row: the argmax for a greedy request; for a sampled one the Gumbel-max token
+    at the row's position (the root's next position plus the node's depth), on the rows of the walk (the
+    others keep their argmax, which the walk never reads)."""
+    best = argmax(target_logits).tolist()  # [R]
+    rows = tree_rows(trees)
+    kids = [t.children() for t in trees]
+
+    def follow(i: int, row: int, token: int) -> int | None:
+        c = next((c for c in kids[i][row - rows[i]] if trees[i].tokens[c] == token), None)
+        return None if c is None else rows[i] + 1 + c
+
+    for row, t in gumbel_walk(target_logits, rows, gens, sps, starts, follow).items():
+        best[row] = t
+    return best

@@ -82,15 +82,42 @@ def accept_gumbel(
     argmax for a greedy request, the Gumbel-max token at the row's position (gumbel.py) for a sampled one.
     Each request's text is therefore plain decoding's with the same seed, whatever was drafted."""
     best = argmax(target_logits).tolist()  # [R]
-    rows = [(row + j, seed_of(g), sp, start + j) for d, g, sp, start, row in zip(drafts, gens, sps, starts,
-                                                                                   segment_rows(drafts))
-            if not sp.greedy for j in range(len(d) + 1)]
-    if rows:
-        at = torch.tensor([r[0] for r in rows], device=target_logits.device)
-        got = gumbel_tokens(target_logits[at], [r[2] for r in rows], [position_key(r[1], r[3]) for r in rows])
-        for r, t in zip(rows, got):
-            best[r[0]] = t
+    rows = segment_rows(drafts)
+
+    def follow(i: int, row: int, token: int) -> int | None:
+        j = row - rows[i]
+        return row + 1 if j < len(drafts[i]) and drafts[i][j] == token else None
+
+    for row, t in gumbel_walk(target_logits, rows, gens, sps, starts, follow).items():
+        best[row] = t
     return _accept_tokens(best, drafts)
+
+
+def gumbel_walk(
+    target_logits: torch.Tensor,  # [R, V]
+    firsts: list[int],  # [S] each segment's first row
+    gens: list[torch.Generator | None],  # [S] (None: greedy, skipped)
+    sps: list[SamplingParams],  # [S]
+    starts: list[int],  # [S] the position of each segment's first row
+    follow: Callable[[int, int, int], int | None],  # (segment, row, its token) -> the accepted draft's row, or None
+) -> dict[int, int]:
+    """The sampled segments' Gumbel-max tokens, row -> token, only on the rows the verdict reads: each
+    segment's first row, then the row of each draft token accepted, one batched call per depth (a row at
+    depth k has position start + k)."""
+    out: dict[int, int] = {}
+    frontier = [(i, firsts[i], 0) for i, sp in enumerate(sps) if not sp.greedy]
+    while frontier:
+        at = torch.tensor([row for _, row, _ in frontier], device=target_logits.device)
+        got = gumbel_tokens(target_logits[at], [sps[i] for i, _, _ in frontier],
+                            [position_key(seed_of(gens[i]), starts[i] + k) for i, _, k in frontier])
+        nxt = []
+        for (i, row, k), t in zip(frontier, got):
+            out[row] = t
+            child = follow(i, row, t)
+            if child is not None:
+                nxt.append((i, child, k + 1))
+        frontier = nxt
+    return out
 
 
 def uses_gumbel(sps: list[SamplingParams]) -> bool:
