@@ -196,3 +196,14 @@ def test_a_row_is_filtered_alike_alone_or_in_a_batch():
     for i in (0, 7, 19):
         assert torch.equal(filtered_logits(x[i : i + 1], sp)[0], batch[i])
         assert gumbel_tokens(x[i : i + 1], [sp], [keys[i]]) == [toks[i]]
+
+
+def test_the_sampler_is_a_job_key():
+    from spin_batch.config import ConfigError, parse_job
+
+    from test_config import minimal
+
+    assert parse_job(minimal()).sampling.sampler == "gumbel"
+    assert parse_job(minimal(), ["sampling.sampler=rejection"]).sampling.sampler == "rejection"
+    with pytest.raises(ConfigError, match="sampler"):
+        parse_job(minimal(), ["sampling.sampler=multinomial"])
