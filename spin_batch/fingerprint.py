@@ -57,7 +57,8 @@ def fingerprint(job: JobConfig) -> dict[str, Any]:
     # greedy job with format auto that finds OpenAI files is not told apart here (left: docs/jobs.md)
     rows_may_sample = i.format == "openai" or i.params_column is not None
     if not s.greedy or rows_may_sample:
-        fp.update({"sampling.seed": s.seed, "sampling.top_p": s.top_p, "sampling.top_k": s.top_k})
+        fp.update({"sampling.seed": s.seed, "sampling.top_p": s.top_p, "sampling.top_k": s.top_k,
+                   "sampling.sampler": s.sampler})
     if s.logprobs is not None or s.prompt_logprobs is not None:  # the rows' logprobs columns
         fp.update({"sampling.logprobs": s.logprobs, "sampling.prompt_logprobs": s.prompt_logprobs,
                    "sampling.logprobs_mode": s.logprobs_mode})

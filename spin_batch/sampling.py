@@ -3,6 +3,10 @@
 The same transform (temperature, then top-k, then top-p) is applied to the target's and the
 drafters' logits, so speculative sampling preserves the distribution the user asked for. What is exact
 and where: docs/numerics.md; timings: BENCHMARKS.md.
+
+Top-p finds its nucleus among the row's largest logits (TOP_P_CANDIDATES, then more) and sorts the
+whole vocabulary only for a row whose nucleus they do not hold: a full sort of a 49152-id row cost
+several times a greedy step's argmax.
 """
 
 from __future__ import annotations
@@ -14,11 +18,20 @@ from dataclasses import dataclass
 import torch
 
 
+SAMPLERS = ("gumbel", "rejection")
+# Candidate counts a row's top-p nucleus is looked for among, in turn, before a full sort.
+TOP_P_CANDIDATES = (64, 1024)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
+    # how sampled tokens are drawn and drafts verified (docs/numerics.md): "gumbel", Gumbel-max with noise
+    # fixed by (seed, position, token), the same text whatever was drafted; "rejection", speculative
+    # rejection sampling with the request's random stream
+    sampler: str = "gumbel"
 
     @property
     def greedy(self) -> bool:
@@ -56,18 +69,56 @@ def _row_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
 
 def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """[M, V] logits -> [M, V] float32 probabilities after temperature, top-k and top-p."""
+    return filtered_logits(logits, sp).softmax(-1)
+
+
+def filtered_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """[M, V] logits -> [M, V] float32 logits / temperature, -inf where top-k or top-p drops the token.
+
+    top-k keeps the tokens at least as large as the k-th largest; top-p then keeps, in order of
+    probability, each token the mass strictly before which is below top_p (the first one always),
+    and with it every token as large as the smallest kept one (tied tokens stay or go together).
+    """
     x = logits.float() / sp.temperature
     if sp.top_k and sp.top_k < x.shape[-1]:
         kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]  # [M, 1]
         x = x.masked_fill(x < kth, float("-inf"))
     if sp.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        sorted_p = sorted_x.softmax(-1)
-        # drop a token when the mass strictly before it already reaches top_p (the first token always stays)
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= sp.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
-    return x.softmax(-1)
+        x = x.masked_fill(x < nucleus_floor(x, sp.top_p)[:, None], float("-inf"))
+    return x
+
+
+def nucleus_floor(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[M, V] logits -> [M] the smallest logit top-p keeps per row.
+
+    Each row's nucleus is looked for among its TOP_P_CANDIDATES largest logits, a full sort only
+    where they do not hold it; every way gives the same floor (the tests compare them).
+    """
+    p = x.softmax(-1)  # [M, V]
+    floor = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
+    todo = torch.arange(x.shape[0], device=x.device)
+    for k in TOP_P_CANDIDATES:
+        if k >= x.shape[-1] or todo.numel() == 0:
+            break
+        rows_x, rows_p = (x, p) if todo.numel() == x.shape[0] else (x[todo], p[todo])  # no copy at first
+        top = torch.topk(rows_x, k + 1, dim=-1)  # [m, k + 1]: k candidates and the largest one left out
+        kept, v = _nucleus(rows_p.gather(1, top.indices), top.values, top_p)
+        # the candidates hold the nucleus when one of them is dropped and the one left out is below the floor
+        held = (kept <= k) & (top.values[:, k] < v)
+        floor[todo[held]] = v[held]
+        todo = todo[~held]
+    if todo.numel():
+        ordered, order = torch.sort(x[todo], dim=-1, descending=True)
+        floor[todo] = _nucleus(p[todo].gather(1, order), ordered, top_p)[1]
+    return floor
+
+
+def _nucleus(p: torch.Tensor, v: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities p [M, K] of logits v [M, K] in descending order -> (tokens kept [M], the smallest
+    kept logit [M]): a token stays while the mass strictly before it is below top_p."""
+    before = p.cumsum(-1) - p
+    kept = (before < top_p).int().cumprod(-1).sum(-1).clamp_min(1)  # [M] a leading run; the first always
+    return kept, v.gather(1, (kept - 1)[:, None])[:, 0]
 
 
 def request_seed(job_seed: int, request_id: str) -> int:

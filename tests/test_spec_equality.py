@@ -489,7 +489,7 @@ def test_kernels_forced_on_sampling_runs_the_fused_accept(kernel_target, tiny_dr
     outs = []
     for _ in range(2):
         lp = make_loop(kernel_target, 3, MixedGamma(["other", "ngram"]), [other_model_factory(tiny_draft_dir), ngram])
-        lp.cfg = replace(lp.cfg, sampling=SamplingParams(temperature=1.0, top_k=20))
+        lp.cfg = replace(lp.cfg, sampling=SamplingParams(temperature=1.0, top_k=20, sampler="rejection"))
         outs.append(run(lp, KERNEL_PROMPTS))
         assert lp.stats.summary()["drafters"]["other"]["draft_tokens"] > 0
     assert outs[0] == outs[1]

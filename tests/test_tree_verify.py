@@ -105,7 +105,7 @@ def test_greedy_request_in_a_sampled_batch_walks_the_argmax():
     for _ in range(50):
         logits = torch.randn(2 * (tree.size + 1), 7, generator=g)
         logits[1, 2] = logits[3, 5] = 9.0  # often a two-node path on the greedy slot
-        sampled = SamplingParams(1.0)
+        sampled = SamplingParams(1.0, sampler="rejection")
         vs = accept_trees(logits, [tree, tree], [None, torch.Generator().manual_seed(2)], [GREEDY, sampled])
         assert vs[0] == accept_tree_greedy(logits[: tree.size + 1], tree)
 
@@ -117,7 +117,7 @@ def test_sampling_with_certain_target_behaves_like_greedy():
     logits = one_hot_logits([2, 0, 6, 0, 0, 0, 1, 0, 0]) * 20  # p one-hot up to e^-100
     for seed in range(20):
         gen = torch.Generator().manual_seed(seed)
-        v = accept_trees(logits, [tree], [gen], [SamplingParams(1.0)])[0]
+        v = accept_trees(logits, [tree], [gen], [SamplingParams(1.0, sampler="rejection")])[0]
         assert v == TreeVerdict([1, 5, 7], [2, 6, 1, 0])
 
 
@@ -143,7 +143,7 @@ def test_batch_sampling_applies_each_request_settings():
     """accept_trees: each slot's rows under its own temperature / top-k / top-p, its own stream."""
     g = torch.Generator().manual_seed(6)
     trees = [DraftTree([1, 2, 3], [-1, -1, 0]), DraftTree.chain([4, 5])]
-    sps = [SamplingParams(0.7, top_k=3), SamplingParams(1.3, top_p=0.8)]
+    sps = [SamplingParams(0.7, top_k=3, sampler="rejection"), SamplingParams(1.3, top_p=0.8, sampler="rejection")]
     for seed in range(30):
         logits = torch.randn(7, V, generator=g) * 2
         seeds = [seed, 1000 + seed]

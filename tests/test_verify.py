@@ -253,7 +253,7 @@ def test_confidence_gate_keeps_sampling_exact():
     from spin_batch.drafters.base import DraftRequest
 
     p_logits, q1, q2, floor = _gated_problem()
-    sp = SamplingParams(1.0)
+    sp = SamplingParams(1.0, sampler="rejection")  # the drafter draws from its q
     p = probs_from_logits(p_logits, sp)
     drafter = _TableDraft(q1, q2)
 
@@ -331,7 +331,7 @@ def test_cascade_of_a_lookup_and_a_gated_model_is_lossless_under_sampling():
             return Proposal([[1, 2] if r.slot % 2 == 0 else [3] for r in reqs], [None] * len(reqs))
 
     p_logits, q1, q2, floor = _gated_problem()
-    sp = SamplingParams(1.0)
+    sp = SamplingParams(1.0, sampler="rejection")  # the model member draws from its q
     p = probs_from_logits(p_logits, sp)
     cascade = CascadeDrafter("c", {"lookup": Lookup("lookup"), "table": _TableDraft(q1, q2)}, min_tokens=2)
     assert cascade.gates

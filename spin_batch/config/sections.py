@@ -294,6 +294,7 @@ class SamplingConfig:
     # does; job: this section's values, as a plain row does
     openai_defaults: Literal["model", "job"] = "model"
     n: int = 1  # samples per prompt, each its own output row (index 0 .. n - 1); the prompt is prefilled once
+    sampler: str = "gumbel"  # gumbel: the same text whatever is drafted; rejection (docs/numerics.md)
 
     @property
     def greedy(self) -> bool:
@@ -322,6 +323,7 @@ class SamplingConfig:
             logit_bias=s.take("logit_bias", _logit_bias),
             openai_defaults=s.take("openai_defaults", _choice("model", "job")),
             n=s.take("n", _int(lo=1, hi=MAX_SAMPLES)),
+            sampler=s.take("sampler", _choice("gumbel", "rejection")),
         )
         if s.ok("min_tokens", "max_tokens") and sampling.min_tokens > sampling.max_tokens:
             s.errs.add(s.key_path("min_tokens"), f"must be <= sampling.max_tokens ({sampling.max_tokens}), "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..gumbel import gumbel_tokens, position_key, seed_of
 from ..sampling import probs_per_row, sample
 from ..models.cache import KVCache
 from ..models.cpu_decoder import argmax
@@ -109,7 +110,8 @@ class ModelDrafter(Drafter):
             keep = [j for j, r in enumerate(row_reqs)
                     if r.sp.greedy or top is None or r.min_prob <= 0 or conf[live[owner[j]]] * top[j] >= r.min_prob]
             picked = self._pick(logits[keep] if len(keep) < len(rows) else logits, [row_reqs[j] for j in keep],
-                                [qs[live[owner[j]]] for j in keep])
+                                [qs[live[owner[j]]] for j in keep],
+                                [len(row_reqs[j].tokens) + len(drafts[live[owner[j]]]) for j in keep])
             picks = dict(zip(keep, picked))
             still, j = [], 0
             for k, i in enumerate(live):
@@ -236,22 +238,31 @@ class ModelDrafter(Drafter):
         """The cache now holds this slot's tokens up to `end` (drafts included; on_commit trims them)."""
         self.lens[req.slot] = end
 
-    def _pick(self, logits: torch.Tensor, reqs: list[DraftRequest], qs: list[list[torch.Tensor]]) -> list[int]:
-        """One draft token per row of logits (target ids): a greedy request's argmax; a sampling
-        request's draw from its q, which is appended to its qs."""
+    def _pick(self, logits: torch.Tensor, reqs: list[DraftRequest], qs: list[list[torch.Tensor]],
+              positions: list[int]) -> list[int]:
+        """One draft token per row of logits (target ids), the row's token at positions[j]: a greedy request's
+        argmax; under the Gumbel sampler, the Gumbel-max token of the draft's logits with the target's noise
+        there (gumbel.py: no q, the verifier compares tokens); under rejection sampling, a draw from its q,
+        which is appended to its qs."""
         rows = argmax(logits)  # [M]
         best = (rows if self.vocab_ids is None else self.vocab_ids[rows]).tolist()
         if all(r.sp.greedy for r in reqs):
             return best
+        noisy = [j for j, r in enumerate(reqs) if not r.sp.greedy and r.sp.sampler == "gumbel"]
+        if noisy:
+            at = torch.tensor(noisy, device=logits.device)
+            got = gumbel_tokens(logits[at], [reqs[j].sp for j in noisy],
+                                [position_key(seed_of(reqs[j].gen), positions[j]) for j in noisy], self.vocab_ids)
+            for j, t in zip(noisy, got):
+                best[j] = t
+        drawn = [j for j, r in enumerate(reqs) if not r.sp.greedy and r.sp.sampler != "gumbel"]
+        if not drawn:
+            return best
         probs = self._full_vocab(probs_per_row(logits, [r.sp for r in reqs]))  # [M, V]
-        picks = []
-        for j, r in enumerate(reqs):
-            if r.sp.greedy:
-                picks.append(best[j])
-            else:
-                qs[j].append(probs[j])
-                picks.append(sample(probs[j], r.gen))
-        return picks
+        for j in drawn:
+            qs[j].append(probs[j])
+            best[j] = sample(probs[j], reqs[j].gen)
+        return best
 
     def _full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
         """[M, K] over the head's rows -> [M, V] over target ids (zero outside the subset)."""

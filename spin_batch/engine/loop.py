@@ -359,11 +359,11 @@ class BatchLoop:
         probs = proposal.probs + [None for _ in plan.finishing]
         served = plan.decode + plan.finishing
         logits = self._controlled(served, drafts, plan.trees + [None for _ in plan.finishing], logits)
-        gens, sps = [s.gen for s in served], [s.sp for s in served]
+        gens, sps, starts = [s.gen for s in served], [s.sp for s in served], [len(s.tokens) for s in served]
         if any(t is not None for t in plan.trees):
-            return self._accept_trees(plan, drafts, probs, logits, gens, sps)
+            return self._accept_trees(plan, drafts, probs, logits, gens, sps, starts)
         kernels = getattr(self.target, "kernels", None) or None  # the Triton path (CUDA, or forced on)
-        return accept_drafts(kernels, logits, drafts, probs, gens, sps)
+        return accept_drafts(kernels, logits, drafts, probs, gens, sps, starts)
 
     @staticmethod
     def _controlled(served: list[Slot], drafts: list[list[int]], trees: list[list[int] | None],
@@ -385,13 +385,13 @@ class BatchLoop:
 
     @staticmethod
     def _accept_trees(plan: Plan, drafts: list[list[int]], probs: list[torch.Tensor | None], logits: torch.Tensor,
-                      gens: list[torch.Generator | None], sps: list[SamplingParams]) -> Verdict:
+                      gens: list[torch.Generator | None], sps: list[SamplingParams], starts: list[int]) -> Verdict:
         """A batch with token trees: every segment as a tree (a chain is the tree of one path, which the
         tree rule accepts exactly as the chain rule, randoms included), by tree_verify.accept_trees."""
         shapes = plan.trees + [None for _ in plan.finishing]
         trees = [DraftTree.chain(d, q) if t is None else DraftTree(d, t, None if q is None else list(q))
                  for d, q, t in zip(drafts, probs, shapes)]
-        got = accept_trees(logits, trees, gens, sps)
+        got = accept_trees(logits, trees, gens, sps, starts)
         return Verdict([v.accepted for v in got], [v.tokens for v in got],
                        [None if t is None else v.segment_path() for v, t in zip(got, shapes)])
 

@@ -47,6 +47,7 @@ def request_settings(cfg: LoopSettings, req: Request) -> tuple[SamplingParams, S
         temperature=job.temperature if own.temperature is None else own.temperature,
         top_k=job.top_k if own.top_k is None else own.top_k,
         top_p=job.top_p if own.top_p is None else own.top_p,
+        sampler=job.sampler,
     )
     rule = StopRule(
         max_tokens=cfg.max_tokens if own.max_tokens is None else own.max_tokens,

@@ -33,7 +33,12 @@ and q_j only, not on x_j. Sum: min(q_j, r_j) + max(r_j - q_j, 0) = r_j. So the n
 accepted child then repeats the argument one row down with the child's own p, which gives the
 joint law of the path and the next token as the target's, position after position.
 
-What q_j must be, per kind of sibling:
+The Gumbel sampler (gumbel.py) needs none of this: every row has one target token, its Gumbel-max
+token under the noise of the row's position (the root's position plus the node's depth: siblings
+share it), and the walk is the greedy one on those tokens. A node is accepted iff its token is its
+parent row's target token; q plays no part.
+
+What q_j must be, per kind of sibling (rejection sampling):
 - drawn i.i.d. from one q (SpecInfer's case): q_j = q for every j;
 - deterministic (n-gram continuations, the draft's top-k taken greedily, any token not sampled):
   q_j = None, which stands for one-hot at x_j; the test accepts with probability r(x_j) and the
@@ -54,7 +59,7 @@ import torch
 from ..models.cpu_decoder import argmax
 from ..models.segments import tree_depths
 from ..sampling import SamplingParams, inverse_cdf, probs_per_row
-from .verify import Uniforms, recovered_probs
+from .verify import Uniforms, gumbel_walk, recovered_probs, uses_gumbel
 
 
 @dataclass(frozen=True)
@@ -187,16 +192,41 @@ def accept_trees(
     trees: list[DraftTree],  # [S]
     gens: list[torch.Generator | None],  # [S] each request's random stream (None: a greedy request)
     sps: list[SamplingParams],  # [S]
+    starts: list[int] | None = None,  # [S] each root's next position (the Gumbel sampler's noise)
 ) -> list[TreeVerdict]:
-    """Every slot's tree verdict (the torch rule; no kernel yet). All greedy: the argmax walk; else
-    rejection sampling, a greedy request's rows one-hot (which accepts and draws its argmax)."""
+    """Every slot's tree verdict (the torch rule; no kernel yet). All greedy: the argmax walk; the Gumbel
+    sampler: the same walk on each row's target token; else rejection sampling, a greedy request's rows
+    one-hot (which accepts and draws its argmax)."""
     rows = tree_rows(trees)
     if target_logits.shape[0] != sum(t.size + 1 for t in trees):
         raise ValueError(f"{len(trees)} trees need {sum(t.size + 1 for t in trees)} target rows, "
                          f"got {target_logits.shape[0]}")
+    if uses_gumbel(sps):
+        if starts is None:
+            raise ValueError("the Gumbel sampler needs each tree's position")
+        best = gumbel_row_tokens(target_logits, trees, gens, sps, starts)
+        return [greedy_walk(t, best[a : a + t.size + 1]) for t, a in zip(trees, rows)]
     if all(sp.greedy for sp in sps):
         best = argmax(target_logits).tolist()  # [R]: the one host sync
         return [greedy_walk(t, best[a : a + t.size + 1]) for t, a in zip(trees, rows)]
     p = probs_per_row(target_logits, [sp for t, sp in zip(trees, sps) for _ in range(t.size + 1)])  # [R, V]
     rands = [Uniforms.zeros() if sp.greedy else Uniforms.from_generator(g) for g, sp in zip(gens, sps)]
     return [tree_rejection_sample(p[a : a + t.size + 1], t, u) for t, a, u in zip(trees, rows, rands)]
+
+
+def gumbel_row_tokens(target_logits: torch.Tensor, trees: list[DraftTree], gens: list[torch.Generator | None],
+                      sps: list[SamplingParams], starts: list[int]) -> list[int]:
+    """[R] the target's token per row: the argmax for a greedy request; for a sampled one the Gumbel-max token
+    at the row's position (the root's next position plus the node's depth), on the rows of the walk (the
+    others keep their argmax, which the walk never reads)."""
+    best = argmax(target_logits).tolist()  # [R]
+    rows = tree_rows(trees)
+    kids = [t.children() for t in trees]
+
+    def follow(i: int, row: int, token: int) -> int | None:
+        c = next((c for c in kids[i][row - rows[i]] if trees[i].tokens[c] == token), None)
+        return None if c is None else rows[i] + 1 + c
+
+    for row, t in gumbel_walk(target_logits, rows, gens, sps, starts, follow).items():
+        best[row] = t
+    return best

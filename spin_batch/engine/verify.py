@@ -10,9 +10,11 @@ Every verified segment therefore yields accepted + 1 new tokens.
 Inputs are ragged: the drafts of all segments are one flat list with offsets, and the target
 rows of segment i are rows [row_offsets[i], row_offsets[i] + gamma_i + 1).
 
-The rule is written once, in torch: accept_greedy (common_prefix with the argmax) and
-rejection_sample (with inverse_cdf from sampling.py). accept_drafts dispatches between it and the
-Triton kernel (accept_fused); accept_ref is the rule behind the kernel's interface, its test oracle.
+The rule is written once, in torch: accept_greedy (common_prefix with the argmax),
+accept_gumbel (common_prefix with each row's Gumbel-max token, gumbel.py: the sampler "gumbel") and
+rejection_sample (with inverse_cdf from sampling.py: the sampler "rejection"). accept_drafts
+dispatches between them and the Triton kernel (accept_fused, greedy and rejection sampling);
+accept_ref is the rule behind the kernel's interface, its test oracle.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Callable
 import torch
 
 from ..drafters.base import common_prefix
+from ..gumbel import gumbel_tokens, position_key, seed_of
 from ..models.cpu_decoder import argmax
 from ..sampling import SamplingParams, inverse_cdf, probs_from_logits, probs_per_row, uniform, uniform64
 
@@ -65,7 +68,65 @@ def accept_greedy(
     drafts: list[list[int]],  # [S] draft tokens per segment (may be empty)
 ) -> Verdict:
     """Longest prefix of each draft that matches the target's argmax, then the target's token."""
-    best = argmax(target_logits).tolist()  # [R]: the one host sync of the stage
+    return _accept_tokens(argmax(target_logits).tolist(), drafts)  # [R]: the one host sync of the stage
+
+
+def accept_gumbel(
+    target_logits: torch.Tensor,  # [R, V]
+    drafts: list[list[int]],  # [S]
+    gens: list[torch.Generator | None],  # [S] each request's stream, whose seed keys its noise (None: greedy)
+    sps: list[SamplingParams],  # [S]
+    starts: list[int],  # [S] each segment's first position: the index in its row's tokens of the token it adds first
+) -> Verdict:
+    """Longest prefix of each draft that matches the target's token per row, then the target's token: the
+    argmax for a greedy request, the Gumbel-max token at the row's position (gumbel.py) for a sampled one.
+    Each request's text is therefore plain decoding's with the same seed, whatever was drafted."""
+    best = argmax(target_logits).tolist()  # [R]
+    rows = segment_rows(drafts)
+
+    def follow(i: int, row: int, token: int) -> int | None:
+        j = row - rows[i]
+        return row + 1 if j < len(drafts[i]) and drafts[i][j] == token else None
+
+    for row, t in gumbel_walk(target_logits, rows, gens, sps, starts, follow).items():
+        best[row] = t
+    return _accept_tokens(best, drafts)
+
+
+def gumbel_walk(
+    target_logits: torch.Tensor,  # [R, V]
+    firsts: list[int],  # [S] each segment's first row
+    gens: list[torch.Generator | None],  # [S] (None: greedy, skipped)
+    sps: list[SamplingParams],  # [S]
+    starts: list[int],  # [S] the position of each segment's first row
+    follow: Callable[[int, int, int], int | None],  # (segment, row, its token) -> the accepted draft's row, or None
+) -> dict[int, int]:
+    """The sampled segments' Gumbel-max tokens, row -> token, only on the rows the verdict reads: each
+    segment's first row, then the row of each draft token accepted, one batched call per depth (a row at
+    depth k has position start + k)."""
+    out: dict[int, int] = {}
+    frontier = [(i, firsts[i], 0) for i, sp in enumerate(sps) if not sp.greedy]
+    while frontier:
+        at = torch.tensor([row for _, row, _ in frontier], device=target_logits.device)
+        got = gumbel_tokens(target_logits[at], [sps[i] for i, _, _ in frontier],
+                            [position_key(seed_of(gens[i]), starts[i] + k) for i, _, k in frontier])
+        nxt = []
+        for (i, row, k), t in zip(frontier, got):
+            out[row] = t
+            child = follow(i, row, t)
+            if child is not None:
+                nxt.append((i, child, k + 1))
+        frontier = nxt
+    return out
+
+
+def uses_gumbel(sps: list[SamplingParams]) -> bool:
+    """Whether a batch's sampled requests take the Gumbel sampler (a job has one sampler for all rows)."""
+    return any(not sp.greedy and sp.sampler == "gumbel" for sp in sps)
+
+
+def _accept_tokens(best: list[int], drafts: list[list[int]]) -> Verdict:
+    """Each draft's longest prefix equal to the target's token per row (best [R]), then the target's token."""
     rows = segment_rows(drafts)
     accepted = [common_prefix(d, best[row : row + len(d)]) for d, row in zip(drafts, rows)]
     return Verdict(accepted, [d[:k] + [best[row + k]] for d, k, row in zip(drafts, accepted, rows)])
@@ -137,8 +198,14 @@ def accept_drafts(
     draft_probs: list[torch.Tensor | None],  # [S] as in accept_sampling (unused when greedy)
     gens: list[torch.Generator | None],  # [S] (None for greedy requests)
     sps: list[SamplingParams],  # [S] each request's settings (temperature, top-k, top-p)
+    starts: list[int] | None = None,  # [S] each segment's first position (the Gumbel sampler's noise)
 ) -> Verdict:
-    """The one dispatch: the Triton accept kernel when `kernels` is given, else the torch rule."""
+    """The one dispatch: the Gumbel rule when a sampled request takes it (torch), else the Triton accept
+    kernel when `kernels` is given, else the torch rule."""
+    if uses_gumbel(sps):
+        if starts is None:
+            raise ValueError("the Gumbel sampler needs each segment's position")
+        return accept_gumbel(target_logits, drafts, gens, sps, starts)
     if kernels is not None:
         return accept_fused(kernels, target_logits, drafts, draft_probs, gens, sps)
     if all(sp.greedy for sp in sps):
