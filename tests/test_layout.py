@@ -33,13 +33,13 @@ TABLE: list[tuple[tuple[str, ...], set[str]]] = [
      {"build", "engine", "selection", "models", "io", "config", "records", "stats", "cachedir", "__init__"}),
     (("ray_data",), {"build", "preflight", "io", "config", "records"}),
     (("export", "report"), {"io"}),
-    (("engine",), {"selection", "drafters", "models", "sampling", "records", "stats"}),
+    (("engine",), {"selection", "drafters", "models", "sampling", "gumbel", "records", "stats"}),
     (("selection",), set()),
-    (("drafters",), {"models", "sampling"}),
+    (("drafters",), {"models", "sampling", "gumbel"}),
     (("models",), {"spin_kernels", "cachedir"}),
     (("io",), {"records"}),
     (("config",), {"records"}),
-    (("records", "sampling", "stats", "cachedir", "__init__"), set()),
+    (("records", "sampling", "gumbel", "stats", "cachedir", "__init__"), set()),
     (("spin_kernels",), set()),
 ]
 
