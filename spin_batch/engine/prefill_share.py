@@ -29,7 +29,7 @@ import torch
 from ..models.cache import KVCache
 from ..records import Completion, Request
 from ..sampling import make_generator, request_seed
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, one_thread
 
 
 @dataclass(eq=False)
@@ -107,8 +107,10 @@ class PrefillShare:
                         reused += self._fork(s, t)
                 if s.group.queued and s.group.kept is None:  # samples wait for a slot: keep the prompt for them
                     n = s.prompt_len - 1
-                    s.group.kept = (torch.stack((self.cache.k[:, s.index, :, :n], self.cache.v[:, s.index, :, :n])),
-                                    tuple(f.g[s.index, :n].clone() for f in self.features))
+                    with one_thread():
+                        s.group.kept = (torch.stack((self.cache.k[:, s.index, :, :n],
+                                                     self.cache.v[:, s.index, :, :n])),
+                                        tuple(f.g[s.index, :n].clone() for f in self.features))
         return reused
 
     def _from_cache(self, s) -> int:
@@ -139,16 +141,17 @@ class PrefillShare:
         """Copy the prompt's K/V (and features), all but the last prompt token, into dst: from the sibling src,
         or (src None) from the group's kept copy."""
         n = dst.prompt_len - 1
-        if src is not None:
-            self.cache.copy_rows(src.index, dst.index, n)
-            for f in self.features:
-                f.g[dst.index, :n] = f.g[src.index, :n]
-        else:
-            kv, feats = dst.group.kept
-            self.cache.k[:, dst.index, :, :n] = kv[0]
-            self.cache.v[:, dst.index, :, :n] = kv[1]
-            for f, g in zip(self.features, feats):
-                f.g[dst.index, :n] = g
+        with one_thread():
+            if src is not None:
+                self.cache.copy_rows(src.index, dst.index, n)
+                for f in self.features:
+                    f.g[dst.index, :n] = f.g[src.index, :n]
+            else:
+                kv, feats = dst.group.kept
+                self.cache.k[:, dst.index, :, :n] = kv[0]
+                self.cache.v[:, dst.index, :, :n] = kv[1]
+                for f, g in zip(self.features, feats):
+                    f.g[dst.index, :n] = g
         got = n - dst.prefilled
         dst.prefilled = n
         return got

@@ -23,6 +23,7 @@ that is the LRU block itself in practice); a block larger than the whole budget 
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -31,6 +32,20 @@ import torch
 from ..models.cache import KVCache
 
 BLOCK = 16  # tokens per cached block
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread inside: the cache's copies are small and memory-bound, and OpenMP's fork and join
+    around each of them cost far more than the copy where the machine is busy (its threads wait for cores)."""
+    n = torch.get_num_threads()
+    if n > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if n > 1:
+            torch.set_num_threads(n)
 
 
 @dataclass(eq=False)
@@ -100,13 +115,14 @@ class PrefixCache:
         """Copy blocks[first:] into `slot` of the KV cache (and each feature buffer) at their positions;
         returns the tokens they cover from the prompt's start, len(blocks) * block."""
         b = self.block
-        for i in range(first, len(blocks)):
-            blk = blocks[i]
-            rows = slice(i * b, (i + 1) * b)
-            cache.k[:, slot, :, rows] = blk.kv[0]
-            cache.v[:, slot, :, rows] = blk.kv[1]
-            for f, g in zip(features, blk.features):
-                f.g[slot, rows] = g
+        with one_thread():
+            for i in range(first, len(blocks)):
+                blk = blocks[i]
+                rows = slice(i * b, (i + 1) * b)
+                cache.k[:, slot, :, rows] = blk.kv[0]
+                cache.v[:, slot, :, rows] = blk.kv[1]
+                for f, g in zip(features, blk.features):
+                    f.g[slot, rows] = g
         return len(blocks) * b
 
     def store(self, tokens: list[int], upto: int, cache: KVCache, slot: int, features: list = ()) -> int:
@@ -117,8 +133,9 @@ class PrefixCache:
         added = 0
         for i in range(len(chain), upto // b):
             rows = slice(i * b, (i + 1) * b)
-            kv = torch.stack((cache.k[:, slot, :, rows], cache.v[:, slot, :, rows]))  # a copy
-            feats = tuple(f.g[slot, rows].clone() for f in features)
+            with one_thread():
+                kv = torch.stack((cache.k[:, slot, :, rows], cache.v[:, slot, :, rows]))  # a copy
+                feats = tuple(f.g[slot, rows].clone() for f in features)
             nbytes = kv.numel() * kv.element_size() + sum(g.numel() * g.element_size() for g in feats)
             if not self._make_room(nbytes, chain):
                 break
