@@ -227,14 +227,15 @@ def test_inference_model_computes_the_training_function(tmp_path, tiny_dir, feat
         torch.testing.assert_close(torch.cat(got_g), want_g[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampling"])
-def test_subset_head_proposes_only_kept_target_ids(tiny_distilled_plain, tiny_dir, greedy):
+@pytest.mark.parametrize("greedy,sampler", [(True, "gumbel"), (False, "rejection"), (False, "gumbel")],
+                         ids=["greedy", "sampling-rejection", "sampling-gumbel"])
+def test_subset_head_proposes_only_kept_target_ids(tiny_distilled_plain, tiny_dir, greedy, sampler):
     settings, _ = tiny_distilled_plain
     target, tok = load_model(tiny_dir), load_tokenizer(tiny_dir)
     model = load_draft(settings.out / "d1x64", target, torch.float32, torch.device("cpu"))
     kept = set(model.vocab_ids.tolist())
     drafter = ModelDrafter("d", model, model.allocate_cache(4, 128))
-    sp = SamplingParams() if greedy else SamplingParams(1.0)
+    sp = SamplingParams() if greedy else SamplingParams(1.0, sampler=sampler)
     reqs = [DraftRequest(slot=i, tokens=tok.encode(p), gamma=6, gen=make_generator(0, str(i)), sp=sp)
             for i, p in enumerate(TRAIN_PROMPTS[:4])]
     for _ in range(3):  # several proposals per slot; sampling draws different tokens each time
@@ -243,7 +244,9 @@ def test_subset_head_proposes_only_kept_target_ids(tiny_distilled_plain, tiny_di
         prop = drafter.propose(reqs)
         for r, toks, q in zip(reqs, prop.tokens, prop.probs):
             assert len(toks) == 6 and set(toks) <= kept
-            if not greedy:
+            if not greedy and sampler == "gumbel":  # drafted with the target's noise: no q to return
+                assert q is None
+            elif not greedy:  # rejection sampling reads the draft's q: mass only on kept ids
                 assert q.shape == (6, target.spec.vocab_size)
                 outside = torch.ones(target.spec.vocab_size, dtype=torch.bool)
                 outside[model.vocab_ids] = False
