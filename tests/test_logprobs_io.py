@@ -75,7 +75,8 @@ def test_openai_lines_answer_in_openais_logprobs_shapes(tmp_path, tiny_dir):
         {"custom_id": "plain", "method": "POST", "url": "/v1/completions", "body": {"prompt": "the moon"}},
     ]
     src = write_jsonl(tmp_path / "in" / "batch.jsonl", lines)
-    job, out = make_job(tmp_path, tiny_dir, [src], output={"format": "openai"}, sampling={"max_tokens": 6})
+    job, out = make_job(tmp_path, tiny_dir, [src], output={"format": "openai"}, sampling={"max_tokens": 6},
+                        target={"served_model_name": ["tiny"]})  # the lines' model name, as vLLM serves it
     run_ok(job)
     got = {line["custom_id"]: line for line in lines_of(out / "results.jsonl")}
     chat = parse_line(got["chat"]).choices[0].logprobs
