@@ -374,7 +374,7 @@ def test_params_column_jsonl_and_parquet(tmp_path: Path) -> None:
     ({"temperature": -1}, "sampling.temperature must be a number >= 0, got -1"),
     ({"top_p": 0.0}, "sampling.top_p must be a number in (0, 1], got 0.0"),
     ({"top_k": -3}, "sampling.top_k must be -1 or 0 (off) or an integer >= 1, got -3"),
-    ({"max_tokens": 0}, "sampling.max_tokens must be an integer >= 1, got 0"),
+    ({"max_tokens": -1}, "sampling.max_tokens must be an integer >= 0, got -1"),  # 0: score the prompt only
     ({"seed": 1.5}, "sampling.seed must be an integer, got 1.5"),
     ({"stop": ""}, 'sampling.stop must be a non-empty string, got ""'),
     ({"temperature": "0.7"}, 'sampling.temperature must be a number, got "0.7"'),
