@@ -146,3 +146,17 @@ def test_shipped_drafts_stay_lossless(tmp_path):
             # it really drafts: a draft unrelated to the target would have almost nothing accepted
             assert stats["accepted_draft_tokens"] > 0.05 * stats["draft_tokens"], selector
         assert out[selector] == out["none"], selector
+
+
+def test_the_openai_example_lines_name_a_model_the_job_serves():
+    """Every body.model in the shipped batch file is one of jobs/openai.yaml's served names (else each line
+    would be answered as vLLM answers an unknown model: an error line)."""
+    import json
+
+    from spin_batch.config import load_job
+
+    root = Path(__file__).resolve().parent.parent
+    job = load_job(str(root / "jobs" / "openai.yaml"), ())
+    lines = [json.loads(line) for line in (root / "examples" / "openai_batch.jsonl").read_text().splitlines() if line]
+    named = {line["body"]["model"] for line in lines if "model" in line.get("body", {})}
+    assert named and named <= set(job.target.served_names)
