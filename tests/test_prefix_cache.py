@@ -209,3 +209,51 @@ def test_lookup_is_exact_and_stops_before_the_last_token():
     other = list(toks)
     other[3] = 99  # differs in the first block: nothing matches, the second block's tokens alike
     assert prefix.peek(other + [5]) == 0
+
+
+def test_rows_with_cached_prefixes_go_first_within_the_window():
+    """reuse_order: within its window, the request whose prompt starts with the most cached blocks first, ties
+    in input order; every request once, its encoding (or its error) handed out once."""
+    from spin_batch.engine.prefill_share import reuse_order
+    from spin_batch.models.cache import KVCache
+
+    cache = KVCache.allocate(1, 1, 1, 64, 4, torch.float32, "cpu")
+    prefix = PrefixCache(1 << 20)
+    hot = list(range(100, 100 + 2 * BLOCK))
+    prefix.store(hot, 2 * BLOCK, cache, 0)
+    prompts = {"a": [1] * 20, "b": [2] * 20, "c": hot + [9], "d": None, "e": hot[:BLOCK] + [8] * 5, "f": [3] * 20}
+    calls = []
+
+    def encode(r: Request) -> list[int]:
+        calls.append(r.id)
+        if prompts[r.id] is None:
+            raise ValueError("no prompt")
+        return prompts[r.id]
+
+    reqs = [Request(f"m#{i}", k, "x", None) for i, k in enumerate(prompts)]
+    ordered, encode_once = reuse_order(iter(reqs), encode, prefix, window=4)
+    got = []
+    for r in ordered:
+        got.append(r.id)
+        if r.id == "d":
+            with pytest.raises(ValueError, match="no prompt"):
+                encode_once(r)
+        else:
+            assert encode_once(r) == prompts[r.id]
+    # window a b c d: c (2 blocks) first; refilled, a b d e: e (1 block); then a, b, d, f in input order
+    assert got == ["c", "e", "a", "b", "d", "f"]
+    assert sorted(calls) == sorted(prompts)  # each encoded once
+
+
+def test_bench_prefix_variants_and_the_report_line():
+    from spin_batch.bench import check_methods, split_prefix
+    from spin_batch.config import parse_job
+    from spin_batch.report import prefill_line
+
+    assert split_prefix("autoregressive+noprefix") == ("autoregressive", False)
+    assert split_prefix("spin+prefix") == ("spin", True) and split_prefix("spin") == ("spin", None)
+    job = parse_job({"input": {"paths": ["x.jsonl"]}, "output": {"dir": "o"}})
+    check_methods(["autoregressive", "autoregressive+noprefix", "spin+prefix"], job)
+    with pytest.raises(ValueError, match="our loop's methods only"):
+        check_methods(["hf_generate+noprefix"], job)
+    assert prefill_line(100, 300) == "prefill: 100 prompt tokens computed, 300 reused (prefix hit rate 75.0%)"
