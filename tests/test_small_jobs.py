@@ -39,7 +39,8 @@ def test_a_job_with_fewer_rows_than_slots_tries_probes_and_then_drafts(slots):
     first = steps[0]  # both unmeasured: one slot each, short drafts
     assert Counter(c.drafter for c in first if c.drafter) == {"poor": 1, "good": 1}
     assert all(c.gamma <= 2 for c in first if c.drafter)
-    late = steps[-10:]
+    late = [step for step in steps[-10:] if any(c.drafter for c in step)]  # aside from the gate's plain bursts
+    assert len(late) >= 6
     assert all(c.drafter == "good" and c.gamma > 0 for step in late for c in step)  # the drain's all-or-none
 
 

@@ -348,11 +348,14 @@ class BanditPolicy(Policy):
     def _could_pay(self, drafter: str, n: int, cap: int, verify_price: float, lam: float) -> bool:
         """Whether the drafter beats plain decoding at this batch size in the best case: every token
         accepted and its forwards shared by all n slots. A probe of one that cannot (the int8 copy of the
-        target at 16 slots, where a verified row costs half a token) only slows the step it runs in."""
+        target at 16 slots, where a verified row costs half a token) only slows the step it runs in.
+        Every token accepted means every token proposed: a confidence gate would stop no chain, so the chain
+        is priced whole (priced at the gate's go-on rate, a chain of 8 cost a gated drafter one verified
+        token for the gain of all eight, and every drafter could pay at any batch size)."""
         if cap <= 0 or not self.cost.goodput.seen:
             return False
         f, s = self.cost.draft_coeffs(drafter)
-        spend = [chain_spend(g, self.pricing.goes_on(drafter)) for g in range(min(cap, self.max_gamma) + 1)]
+        spend = [chain_spend(g, None) for g in range(min(cap, self.max_gamma) + 1)]
         return best_gamma(0.999, verify_price, lam * (s + f / max(n, 1)), spend)[1] > 0
 
     def _drained(self, slots: list[int], open_: list[tuple[int, RequestArms, int]], verify_price: float,
@@ -386,16 +389,28 @@ class BanditPolicy(Policy):
             goes_on={d: self.pricing.goes_on(d) for d in self.drafters}, verify_price=verify_price, lam=lam,
             past={d: p.value for d, p in self.past.items() if p.rows},
             calibration={d: c.factor for (d, at), c in self.calibration.items() if at == n})
-        if self.draining and joint.drain_bound() <= joint.n:
+        if joint.drain_bound() <= joint.n if self.draining else not joint.could_pay():
             return {}
         picks = joint.solve()
         if self.draining:
             picks = joint.drain_picks(picks)
             if joint.drain_value(picks) <= joint.n:
                 return {}
+        picks = self._joining(picks, joint)
         sharing = Counter(d for d, _ in picks if d is not None)
         return {i: Choice(d, g, self.pricing.floor(d, sharing[d], verify_price, lam), self._nodes(d))
                 for (i, _, _), (d, g) in zip(open_, picks) if d is not None}
+
+    def _joining(self, picks: list[tuple[str | None, int]], joint: JointChoice) -> list[tuple[str | None, int]]:
+        """The picks with each drafter held to CostModel.joining slots: those it gains most for keep it."""
+        out = list(picks)
+        for d in {d for d, _ in picks if d is not None}:
+            mine = [k for k, (e, _) in enumerate(picks) if e == d]
+            room = self.cost.joining(d)
+            if len(mine) > room:
+                for k in sorted(mine, key=lambda k: -joint.gain(k, d, picks[k][1]))[room:]:
+                    out[k] = (None, 0)
+        return out
 
     def _nodes(self, drafter: str) -> int:
         """The drafter's tree budget this step: 0 (a chain) unless the tree gate runs trees."""

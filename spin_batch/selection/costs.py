@@ -41,9 +41,12 @@ class DraftCost:
     def __init__(self, decay: float):
         self.decay = decay
         self._m = [0.0] * 5  # decayed sums: F^2, F P, P^2, F t, P t
+        self.widest = 1.0  # the most draft positions one forward has run (slots drafting together): see Joining
 
     def observe(self, forwards: int, positions: int, seconds: float) -> None:
         f, p = float(forwards), float(positions)
+        if f > 0:
+            self.widest = max(self.widest, p / f)
         decay_into(self._m, (f * f, f * p, p * p, f * seconds, p * seconds), self.decay)
 
     def coeffs(self) -> tuple[float, float]:
@@ -138,6 +141,15 @@ class CostModel:
 
     def measured(self, drafter: str) -> bool:
         return drafter in self.drafts
+
+    def joining(self, drafter: str) -> int:
+        """How many slots may draft with this drafter at once: twice the most its forwards have run together.
+        Until forwards of many slots are measured, its fit puts their cost on forwards and takes joining as
+        free (DraftCost); at 16 slots the int8 copy of the target, measured on one slot, was chosen for all
+        sixteen, and its forwards then cost three times what one slot's had. Doubling, each step measures the
+        next width before the batch relies on it."""
+        e = self.drafts.get(drafter)
+        return 2 * max(int(e.widest), 1) if e is not None else 1
 
     def decode_seconds(self, outcomes: list[Outcome], costs: StepCosts) -> float:
         """The step's time without its prefill chunks: goodput is measured on decoding alone.

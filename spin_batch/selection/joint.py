@@ -80,9 +80,14 @@ def best_gamma(a: float, verify_price: float, position_price: float, spend: list
     once proposes nothing but still costs a draft forward. past, calibration: chain_value's.
     """
     best_value, best_g = 1.0, 0
+    # chain_value inlined, the same operations in the same order (the joint choice calls this most)
+    clamped = min(max(a, 0.0), 0.999999)
+    past_gain, past_rows = past
     for g in range(1, len(spend)):
-        value = (chain_value(g, a, verify_price, position_price, spend[g], past, calibration)
-                 - forward_price * max(spend[g][1] - depth, 0.0))
+        proposed, ran = spend[g]
+        gain = 1.0 + calibration * ((1.0 - clamped ** (g + 1)) / (1.0 - clamped) + a ** g * past_gain - 1.0)
+        value = (gain - verify_price * (proposed + past_rows) - position_price * ran
+                 - forward_price * max(ran - depth, 0.0))
         if value > best_value + (DRAFT_MARGIN if best_g == 0 else 0.0):
             best_value, best_g = value, g
     return best_value, best_g
@@ -139,6 +144,19 @@ class JointChoice:
             if trial_value > value:
                 picks, value, everyone = trial, trial_value, allowed
         return picks
+
+    def could_pay(self) -> bool:
+        """Whether any slot could draft in solve(): some drafter's chain beats plain decoding at the highest
+        posterior mean among the slots, the largest cap, and no forward of its own to pay (another slot's
+        forwards carry it). Each of these only raises a chain's value, so where none pays, solve() picks
+        plain decoding for every slot and need not run."""
+        cap = max(self.caps)
+        for d, (_, s) in self.coeffs.items():
+            a = max(means[d] for means in self.means)
+            if best_gamma(a, self.verify_price, self.lam * s, self.spend[d][: cap + 1],
+                          past=self.past.get(d, NO_PAST), calibration=self.calibration.get(d, 1.0))[1] > 0:
+                return True
+        return False
 
     def drain_bound(self) -> float:
         """An upper bound on drain_value over the choices that draft for every slot (any other is worth at
