@@ -898,3 +898,23 @@ def test_slots_join_a_drafter_at_twice_the_width_its_forwards_were_measured_at()
                         coeffs={"d": (0.002, 0.0)}, goes_on={"d": None}, verify_price=0.1, lam=100.0)
     picks = [("d", 4)] * 4
     assert policy._joining(picks, joint) == [(None, 0), ("d", 4), (None, 0), ("d", 4)]  # the two most likely
+
+
+def test_slots_that_could_not_draft_are_left_out_and_the_choice_is_unchanged():
+    """Once could_pay has found the slots that could draft at all, solve() gives the same picks as without it."""
+    rng = random.Random(5)
+    compared = 0
+    for _ in range(300):
+        n = rng.randint(2, 12)
+        drafters = [f"d{i}" for i in range(rng.randint(1, 3))]
+        means = [{d: rng.random() for d in drafters} for _ in range(n)]
+        kw = dict(caps=[rng.randint(1, 6) for _ in range(n)],
+                  rates=[{d: min(m[d] + rng.random() * 0.3, 0.999) for d in drafters} for m in means], means=means,
+                  coeffs={d: (rng.random() * 0.004, rng.random() * 0.002) for d in drafters},
+                  goes_on={d: rng.choice([None, rng.random()]) for d in drafters},
+                  verify_price=rng.random() * 0.8, lam=rng.uniform(50, 500))
+        pruned, whole = JointChoice(**kw), JointChoice(**kw)
+        if pruned.could_pay():
+            compared += pruned._open != set(range(n))
+            assert pruned.solve() == whole.solve()
+    assert compared > 30, compared

@@ -126,6 +126,7 @@ class JointChoice:
         self.spend = {d: [chain_spend(g, c) for g in range(max(caps) + 1)] for d, c in goes_on.items()}
         self.n = len(caps)
         self._memo: dict[tuple, tuple[float, int]] = {}  # _best by its arguments: passes repeat most of them
+        self._open: set[int] | None = None  # the slots that could draft at all (could_pay); None: every slot
 
     def solve(self) -> list[tuple[str | None, int]]:
         everyone = set(self.coeffs)
@@ -151,12 +152,17 @@ class JointChoice:
         forwards carry it). Each of these only raises a chain's value, so where none pays, solve() picks
         plain decoding for every slot and need not run."""
         cap = max(self.caps)
-        for d, (_, s) in self.coeffs.items():
-            a = max(means[d] for means in self.means)
-            if best_gamma(a, self.verify_price, self.lam * s, self.spend[d][: cap + 1],
-                          past=self.past.get(d, NO_PAST), calibration=self.calibration.get(d, 1.0))[1] > 0:
-                return True
-        return False
+        if not any(self._pays(d, max(means[d] for means in self.means), cap) for d in self.coeffs):
+            return False
+        # the same bound slot by slot: a slot with no drafter that could pay at its own mean and cap is left
+        # out of the best responses (it would answer plain decoding to every pick of the others)
+        self._open = {k for k in range(self.n) if any(self._pays(d, self.means[k][d], self.caps[k]) for d in self.coeffs)}
+        return True
+
+    def _pays(self, d: str, a: float, cap: int) -> bool:
+        """Whether a chain of drafter d at rate a and cap beats plain decoding with no forward of its own to pay."""
+        return best_gamma(a, self.verify_price, self.lam * self.coeffs[d][1], self.spend[d][: cap + 1],
+                          past=self.past.get(d, NO_PAST), calibration=self.calibration.get(d, 1.0))[1] > 0
 
     def drain_bound(self) -> float:
         """An upper bound on drain_value over the choices that draft for every slot (any other is worth at
@@ -226,6 +232,8 @@ class JointChoice:
                  shared: bool = False, exploit: bool = False) -> tuple[str | None, int]:
         """Slot k's best (drafter, gamma) given the others' picks; shared: forwards split n ways instead;
         exploit: the drafter too is chosen at the posterior means (the closing trials, see solve)."""
+        if self._open is not None and k not in self._open:
+            return None, 0
         depth = {} if shared else self._depths(picks, skip=k)
 
         def best_at(rates: dict[str, float]) -> tuple[str | None, int]:
