@@ -86,10 +86,12 @@ def check_models(job: JobConfig) -> list[str]:
             if d.quantize != "none" and backend != loader.NATIVE:
                 problems.append(f"drafters.{d.name}: quantize: {d.quantize} copies a native target's weights "
                                 "(target.backend: auto or native)")
-            elif d.quantize != "none" and device.type == "cpu" and loader.DTYPES[target.dtype] != torch.float32:
+            elif d.quantize != "none" and device.type == "cpu" and loader.DTYPES[target.dtype] not in (
+                    torch.float32, torch.bfloat16):
                 problems.append(f"drafters.{d.name}: quantize: {d.quantize} runs on the C int8 GEMM with a float32 "
-                                f"target only; with target.dtype {target.dtype} on CPU its weights would be widened "
-                                "every step, slower than the target itself (use float32, or drop this drafter)")
+                                f"or bfloat16 target only; with target.dtype {target.dtype} on CPU its weights would "
+                                "be widened every step, slower than the target itself (use float32 or bfloat16, or "
+                                "drop this drafter)")
         elif isinstance(d, ModelDrafterConfig):
             refs = loader.check_model_ref(d.model, d.backend, d.trust_remote_code, job.batch.max_model_len)
             if refs:

@@ -74,8 +74,13 @@ static inline float load1(const void *p, int64_t i, int es) {
 
 
 static void gemm(const void *x, const void *wp, const float *scale, void *y, int64_t M, int64_t Op, int64_t K,
-                 int es, void *q8_scratch) {
-    if (scale) /* int8 weights, float32 rows (es 4) */
+                 int es, void *q8_scratch, float *wide) {
+    if (scale && es == 2) { /* int8 weights in a bfloat16 model: its rows widened to float32, the result rounded back */
+        float *xf = wide, *yf = wide + M * K;
+        for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_float(((const uint16_t *)x)[i]);
+        spin_gemm_q8(xf, (const uint8_t *)wp, scale, yf, M, Op, K, q8_scratch);
+        for (int64_t i = 0; i < M * Op; i++) ((uint16_t *)y)[i] = to_bf16(yf[i]);
+    } else if (scale) /* int8 weights, float32 rows (es 4) */
         spin_gemm_q8((const float *)x, (const uint8_t *)wp, scale, (float *)y, M, Op, K, q8_scratch);
     else if (es == 4)
         spin_gemm((const float *)x, (const float *)wp, (float *)y, M, Op, K);
@@ -85,10 +90,22 @@ static void gemm(const void *x, const void *wp, const float *scale, void *y, int
 
 #define ALIGN64(n) (((n) + 63) / 64 * 64)
 
-/* Bytes of scratch spin_decoder needs: the rows of each stage, then the int8 GEMM's (int8 weights). */
+/* The widest input and output of the layers' GEMMs. */
+static inline int64_t gemm_in(int64_t C, int64_t H, int64_t D, int64_t I) {
+    int64_t widest = C > I ? C : I;
+    return widest > H * D ? widest : H * D;
+}
+static inline int64_t gemm_out(const spin_widths_t *w) {
+    int64_t o = w->qkv > w->gate_up ? w->qkv : w->gate_up;
+    return o > w->out ? o : w->out;
+}
+
+/* Bytes of scratch spin_decoder needs: the rows of each stage, then the int8 GEMM's (int8 weights), then
+ * for int8 weights in a bfloat16 model, one GEMM's input and output rows in float32. */
 int64_t spin_decoder_scratch(int64_t N, int64_t C, int64_t H, int64_t D, int64_t I, const spin_widths_t *w, int es) {
-    int64_t widest = C > I ? C : I, k = widest > H * D ? widest : H * D;
-    return ALIGN64(N * (widest + w->qkv + H * D + w->gate_up + w->out) * es) + spin_gemm_q8_scratch(N, k);
+    int64_t widest = C > I ? C : I, k = gemm_in(C, H, D, I);
+    return ALIGN64(N * (widest + w->qkv + H * D + w->gate_up + w->out) * es) + ALIGN64(spin_gemm_q8_scratch(N, k))
+           + (es == 2 ? N * (k + gemm_out(w)) * 4 : 0);
 }
 
 /* h [N, C] += y [N, Cp] (the weights' dtype; its first C columns) */
@@ -113,10 +130,11 @@ static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, co
     void *gu = (char *)att + N * H * D * es;                /* [N, gu_w] */
     void *y = (char *)gu + N * gu_w * es;                   /* [N, Cp] */
     void *q8 = scratch + ALIGN64(N * (widest + qkv_w + H * D + gu_w + Cp) * es); /* the int8 GEMM's */
+    float *wide = (float *)((char *)q8 + ALIGN64(spin_gemm_q8_scratch(N, gemm_in(C, H, D, I)))); /* see gemm */
     for (int64_t li = 0; li < L; li++) {
         const spin_layer_t *lw = &layers[li];
         norm_rows(h, lw->attn_norm, xn, N, C, eps, es);
-        gemm(xn, lw->qkv, lw->qkv_s, qkv, N, qkv_w, C, es, q8);
+        gemm(xn, lw->qkv, lw->qkv_s, qkv, N, qkv_w, C, es, q8, wide);
 #pragma omp parallel for schedule(static) if (N >= 16)
         for (int64_t m = 0; m < N; m++) { /* bias, then rotary embedding of the H + KV q/k heads */
             float x[256];
@@ -137,10 +155,10 @@ static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, co
                 : spin_attention((char *)qkv, qkv_w, (char *)qkv + H * D * es, qkv_w, (char *)qkv + (H + KV) * D * es,
                                  qkv_w, ck, cv, att, slot, pos, N, H, KV, D, max_len, es))
             return -1;
-        gemm(att, lw->o, lw->o_s, y, N, Cp, H * D, es, q8);
+        gemm(att, lw->o, lw->o_s, y, N, Cp, H * D, es, q8, wide);
         add_rows(h, y, N, C, Cp, es);
         norm_rows(h, lw->mlp_norm, xn, N, C, eps, es);
-        gemm(xn, lw->gate_up, lw->gate_up_s, gu, N, gu_w, C, es, q8);
+        gemm(xn, lw->gate_up, lw->gate_up_s, gu, N, gu_w, C, es, q8, wide);
 #pragma omp parallel for schedule(static) if (N >= 16)
         for (int64_t m = 0; m < N; m++) /* silu(gate) * up; silu(g) = g / (1 + e^-g), e^-|g| never overflows */
             for (int64_t c0 = 0; c0 < I; c0 += VW) {
@@ -163,7 +181,7 @@ static inline __attribute__((always_inline)) int decoder(float *h, int64_t N, co
                 else
                     for (int j = 0; j < n; j++) store1(xn, m * I + c0 + j, r[j], es);
             }
-        gemm(xn, lw->down, lw->down_s, y, N, Cp, I, es, q8);
+        gemm(xn, lw->down, lw->down_s, y, N, Cp, I, es, q8, wide);
         add_rows(h, y, N, C, Cp, es);
     }
     return 0;

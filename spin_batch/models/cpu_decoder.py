@@ -412,10 +412,11 @@ class Decoder:
     """
 
     def __init__(self, lib: ctypes.CDLL, layers, *, heads: int, kv_heads: int, head_dim: int, intermediate: int,
-                 eps: float):
+                 eps: float, dtype: torch.dtype | None = None):
+        """dtype: of the rows and the cache (the model's); None: the weights' (float32 for int8 weights)."""
         self.lib = lib
         self.H, self.KV, self.D, self.I, self.eps = heads, kv_heads, head_dim, intermediate, eps
-        self.dtype = layers[0].qkv.panel.act_dtype  # of the rows and the cache (float32 with int8 weights)
+        self.dtype = dtype or layers[0].qkv.panel.act_dtype
         self.es = ATTENTION_DTYPES[self.dtype]
         first = layers[0]
         self.widths = _Widths(first.qkv.panel.padded, first.gate_up.panel.padded, first.o.panel.padded)
@@ -435,9 +436,9 @@ class Decoder:
 
     @staticmethod
     def applies(lib: ctypes.CDLL, layers, dtype: torch.dtype) -> bool:
-        """All four linears of every layer on the panel GEMM in the model's dtype (int8 weights in a float32
-        model), one shape and storage for all (o and down both give the hidden size, so their padded widths
-        agree)."""
+        """All four linears of every layer on the panel GEMM in the model's dtype (or int8 weights, in a float32
+        or bfloat16 model: cpu_decoder.c widens a bfloat16 model's rows for them), one shape and storage for
+        all (o and down both give the hidden size, so their padded widths agree)."""
         if not layers or dtype not in ATTENTION_DTYPES:
             return False
         first = layers[0]
@@ -446,8 +447,8 @@ class Decoder:
         for lw in layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 lin, ref = getattr(lw, name), getattr(first, name)
-                if (lin.panel is None or lin.panel.act_dtype != dtype or lin.panel.dtype != ref.panel.dtype
-                        or lin.panel.padded != ref.panel.padded):
+                if (lin.panel is None or (lin.panel.act_dtype != dtype and lin.panel.scale is None)
+                        or lin.panel.dtype != ref.panel.dtype or lin.panel.padded != ref.panel.padded):
                     return False
             if lw.o.bias is not None or lw.gate_up.bias is not None or lw.down.bias is not None:
                 return False

@@ -103,7 +103,8 @@ class Linear:
         if quantize:
             self.packed = False
             q, scale = quantize_rows(weight)
-            c = panel is not False and weight.dtype == torch.float32  # the C int8 GEMM takes float32 rows
+            # the C int8 GEMM takes float32 rows; the C decoder widens a bfloat16 model's for it
+            c = panel is not False and weight.dtype in (torch.float32, torch.bfloat16)
             self.panel = cpu_decoder.panel_weight(q, scale) if c else None
             self.weight, self.scale = (None, None) if self.panel is not None else (q, scale.to(weight.dtype))
             return
@@ -122,7 +123,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panel is not None:
-            y = self.panel(x)
+            y = self.panel(x).to(x.dtype)  # int8 weights give float32 rows: a bfloat16 model's go back to it
             return y if self.bias is None else y.add_(self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
@@ -206,7 +207,7 @@ class LlamaModel:
         if self.c_attention and cpu_decoder.Decoder.applies(self.cpu_lib, layers, self.dtype):
             self.c_decoder = cpu_decoder.Decoder(self.cpu_lib, layers, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
                                               head_dim=spec.head_dim, intermediate=spec.intermediate_size,
-                                              eps=spec.rms_norm_eps)
+                                              eps=spec.rms_norm_eps, dtype=self.dtype)
 
     def backend(self) -> dict:
         """The path this model runs on and why, for summary.json's `backends`: the CPU plan (layers, lm_head,
@@ -277,7 +278,7 @@ class LlamaModel:
         c = self.device.type == "cpu" and self.execution.cpu != "torch" and cpu_decoder.library() is not None
         layers = self.layers_from_state_dict(self.spec, get, c, quantize=True, num_layers=num_layers)
         head = get(HEAD_TENSOR if HEAD_TENSOR in state_dict else EMBED_TENSOR)
-        if c and head.dtype == torch.float32:  # the C int8 GEMM takes float32 rows
+        if c:  # the int4 head rescored in int8 (quantize.py), on float32 rows
             head = RescoredHead(cpu_decoder.library(), head)
         return LlamaModel(self.spec, self.embed, layers, self.norm, head, quantize=True,
                           plan=INT8_C if c else TORCH, execution=self.execution)
