@@ -79,7 +79,7 @@ def _python_commit(rows, drafts, dlen, target, state):
     for r, s in enumerate(rows.tolist()):
         n = int(st["lengths"][s])
         if not st["live"][s]:
-            st["record"][s, :RECORD_HEAD] = torch.tensor([0, 0, 0, n])
+            st["record"][s, :RECORD_HEAD] = torch.tensor([0, 0, 0, n, 0])
             st["record"][s, RECORD_HEAD:] = -1
             continue
         d = drafts[r, : int(dlen[r])].tolist()
@@ -96,7 +96,7 @@ def _python_commit(rows, drafts, dlen, target, state):
             st["live"][s] = 0
         if d:
             st["counters"][s] += torch.tensor([1, len(d), min(k, got.added)])
-        rec = [k, got.added, REASONS[got.finish_reason], len(tokens)] + new[: got.added]
+        rec = [k, got.added, REASONS[got.finish_reason], len(tokens), len(d)] + new[: got.added]
         st["record"][s] = torch.tensor(rec + [-1] * (st["record"].shape[1] - len(rec)), dtype=torch.int32)
     return st
 

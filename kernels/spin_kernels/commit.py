@@ -16,8 +16,8 @@ Per live row (spin_batch.engine.verify's greedy rule, then engine.stopping's tok
   rows only) one step, the draft length, and the accepted drafts that were kept (min(k, kept)).
 Rows that are not live (padding, or a slot that finished at an earlier step) change nothing.
 
-Every row writes its slot's record [4 + W] int32: accepted, kept, finish (0 going on, 1 stop,
-2 length), the new length, then the kept tokens (-1 after them). A host that reads the record
+Every row writes its slot's record [5 + W] int32: accepted, kept, finish (0 going on, 1 stop,
+2 length), the new length, the drafts it verified, then the kept tokens (-1 after them). A host that reads the record
 mirrors the slot's tokens without reading the history.
 
 accept_commit_ref is the same rule in torch, at fixed shapes and with no host read either (the
@@ -30,7 +30,7 @@ import torch
 
 from ._triton import HAVE_TRITON, launcher, require_triton, tl, triton
 
-RECORD_HEAD = 4  # accepted, kept, finish, length; the kept tokens follow
+RECORD_HEAD = 5  # accepted, kept, finish, length, drafted; the kept tokens follow
 FINISH_STOP = 1
 FINISH_LENGTH = 2
 
@@ -50,7 +50,7 @@ if HAVE_TRITON:
         stops_ptr,  # [P, K]
         live_ptr,  # [P] in/out
         cnt_ptr,  # [P, 3] in/out
-        rec_ptr,  # [P, 4 + W] out
+        rec_ptr,  # [P, 5 + W] out
         G, L, K, W,
         stride_d, stride_t, stride_h, stride_s, stride_c, stride_r,
         BLOCK_K: tl.constexpr,
@@ -106,9 +106,10 @@ if HAVE_TRITON:
         tl.store(rec + 1, added.to(tl.int32))
         tl.store(rec + 2, finish.to(tl.int32))
         tl.store(rec + 3, (n + added).to(tl.int32))
+        tl.store(rec + 4, dl.to(tl.int32))
         offs_w = tl.arange(0, BLOCK_W)
         kept = tl.load(target_ptr + r * stride_t + offs_w, mask=(offs_w < added) & (offs_w <= G), other=-1)
-        tl.store(rec + 4 + offs_w, kept.to(tl.int32), mask=offs_w < W)
+        tl.store(rec + 5 + offs_w, kept.to(tl.int32), mask=offs_w < W)
 
 else:
     _commit_kernel = None
@@ -145,7 +146,7 @@ def accept_commit(rows, drafts, draft_len, target, history, lengths, prompt_lens
 
     rows [B] (slot per row), drafts [B, G], draft_len [B], target [B, G + 1]; per slot: history
     [P, L], lengths, prompt_lens, max_tokens, max_len [P], stops [P, K], live [P], counters [P, 3];
-    record [P, 4 + W] int32 (W >= G + 1).
+    record [P, 5 + W] int32 (W >= G + 1).
     """
     require_triton("accept_commit")
     _check(rows, drafts, draft_len, target, history, lengths, prompt_lens, max_tokens, max_len, stops, live,
@@ -204,4 +205,4 @@ def accept_commit_ref(rows, drafts, draft_len, target, history, lengths, prompt_
         counters.dtype)
     w = torch.arange(W, device=dev)
     kept = torch.where(w < added[:, None], tok.gather(1, w.clamp(max=G).expand(B, W)), -1)
-    record[s] = torch.cat([torch.stack([k, added, finish, n + added], 1), kept], 1).to(torch.int32)
+    record[s] = torch.cat([torch.stack([k, added, finish, n + added, dl], 1), kept], 1).to(torch.int32)
