@@ -215,3 +215,22 @@ def test_a_device_loop_over_500_steps_asks_for_at_most_15_shapes(target):
     asked = loop.graphs.asked
     assert len(asked) <= 15 and len({b.rows for b in asked}) >= 3  # the step's shape did vary
     assert {b.width for b in asked} == {0, 4, 8}
+
+
+def test_device_step_on_the_triton_kernels(tmp_path, tiny_dir):
+    """The GPU path on CPU (the Triton interpreter): the bucket's forward from a device-built packed index
+    (kernel_hidden), the Triton n-gram and accept/commit kernels; equal to BatchLoop on the same kernels."""
+    pytest.importorskip("triton", reason="triton is not importable")
+    from conftest import build_tiny_model
+    from spin_batch.models.execution import Execution
+
+    path = build_tiny_model(tmp_path / "one-layer", layers=1, tokenizer_dir=tiny_dir)
+    tok = load_tokenizer(path)
+    model = load_model(path, plan=execution.forced("torch"),
+                       execution=Execution(kernels="triton", cpu="torch", triton=True))
+    assert model.kernels is not None
+    settings = _settings(2, max_tokens=6)
+    want = _run(_batch_loop((model, tok), settings), tok, _requests(MANY[:3]))
+    loop = DeviceLoop(model, tok, settings, DeviceDrafting(gamma=4))
+    assert loop.commit_op.__name__ == "accept_commit" and loop.ngram_op.__name__ == "ngram_draft"
+    _same(want, _run(loop, tok, _requests(MANY[:3])))
