@@ -109,6 +109,17 @@ def launches(quick: bool = False):
         out.append(("accept", "accept", (logits, drafts, offs, rows), {}))
         out.append(("accept", "accept", (logits, drafts, offs, rows, None, u, u2, 0.7), {}))
         out.append(("accept", "accept", (logits, drafts, offs, rows, torch.empty(4, 49152), u, u2, 0.7), {}))
+    # the device step's kernels (engine/device_step.py): accept and commit, the n-gram lookup
+    P, L, B, G = 5, 64, 4, 8
+    state = (torch.zeros(P, L, dtype=torch.long), *(torch.zeros(P, dtype=torch.long) for _ in range(4)),
+             torch.zeros(P, 8, dtype=torch.long), torch.zeros(P, **i32), torch.zeros(P, 3, dtype=torch.long),
+             torch.zeros(P, 5 + G + 1, **i32))
+    for g in (0, G):
+        step = (torch.zeros(B, dtype=torch.long), torch.zeros(B, g, dtype=torch.long), torch.zeros(B, dtype=torch.long),
+                torch.zeros(B, g + 1, dtype=torch.long))
+        out.append(("commit", "accept_commit", (*step, *state), {}))
+    out.append(("ngram", "ngram_draft", (torch.zeros(B, dtype=torch.long), state[0], state[1],
+                                         torch.zeros(B, dtype=torch.long), torch.zeros(4, dtype=torch.long), G, 1, 3), {}))
     return out
 
 

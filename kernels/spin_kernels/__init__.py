@@ -12,13 +12,19 @@ import torch
 
 from ._triton import HAVE_TRITON, is_interpreted
 from .accept import accept
+from .commit import accept_commit, accept_commit_ref
 from .kv_write import _kv_write_kernel, kv_write, kv_write_ref
+from .ngram import ngram_draft, ngram_draft_ref
 from .varlen_attention import varlen_attention, varlen_attention_ref
 
 __all__ = [
     "accept",
+    "accept_commit",
+    "accept_commit_ref",
     "kv_write",
     "kv_write_ref",
+    "ngram_draft",
+    "ngram_draft_ref",
     "problem",
     "triton_available",
     "varlen_attention",
