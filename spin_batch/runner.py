@@ -287,7 +287,7 @@ def start_line(job: JobConfig, engine: Engine, worker: str, done: int | None, to
     """What a log needs to tell runs apart: model, dtype, device, the target's CPU path, slots, worker."""
     target = engine.target
     plan = getattr(target, "plan", None)
-    path = (f"layers={plan.layers} lm_head={plan.lm_head}" if plan is not None
+    path = (f"layers={plan.cpu.layers} lm_head={plan.cpu.lm_head}" if plan is not None and plan.backend == "native"
             else f"backend={model_backend(target)['backend']}")
     dtype = str(getattr(target, "dtype", job.target.dtype)).removeprefix("torch.")
     return (f"spin-batch: start model={job.target.model} dtype={dtype} "

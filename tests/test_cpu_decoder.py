@@ -252,9 +252,10 @@ def test_a_rows_attention_does_not_depend_on_its_segment_or_batch(lib, dtype):
 def test_the_model_attends_with_it_on_cpu(lib, tiny_dir):
     from spin_batch.models.loader import load_model
 
-    assert load_model(tiny_dir, "float32", torch.device("cpu")).c_attention
-    assert load_model(tiny_dir, "bfloat16", torch.device("cpu")).c_attention
-    assert not load_model(tiny_dir, "float16", torch.device("cpu")).c_attention  # float16 stays on the torch path
+    assert load_model(tiny_dir, "float32", torch.device("cpu")).plan.attention == "c"
+    assert load_model(tiny_dir, "bfloat16", torch.device("cpu")).plan.attention == "c"
+    # float16 stays on the torch path
+    assert load_model(tiny_dir, "float16", torch.device("cpu")).plan.attention == "torch"
 
 
 # -- the decoder layers in one call ------------------------------------------------------------
@@ -270,20 +271,19 @@ def test_the_c_decoder_matches_the_per_layer_path(lib, tiny_dir, tiny_qwen_dir, 
     for model_dir in (tiny_dir, tiny_qwen_dir):
         model = load_model(model_dir, dtype, torch.device("cpu"))
         assert model.c_decoder is not None
-        decoder = model.c_decoder
         caches = [model.allocate_cache(3, 64), model.allocate_cache(3, 64)]
         g = torch.Generator().manual_seed(5)
         steps = [[(0, 20, 0), (2, 9, 0)], [(0, 1, 20), (1, 7, 0), (2, 4, 9)]]
         for parts in steps:
             seg = Segments.build(parts)
             tokens = torch.randint(0, model.spec.vocab_size, (seg.num_tokens,), generator=g)
-            model.c_decoder = decoder
+            model.path = "c_decoder"
             got = model.hidden(tokens, seg, caches[0])
-            model.c_decoder = None
+            model.path = "c"  # the per-layer path: torch glue over the C attention and GEMMs
             want = model.hidden(tokens, seg, caches[1])
             tol = 1e-4 if dtype == "float32" else 0.1 * want.abs().max().item()
             assert (got - want).abs().max().item() <= tol
-        model.c_decoder = decoder
+        model.path = "c_decoder"
 
 
 def test_a_rows_hidden_state_does_not_depend_on_its_batch(lib, tiny_dir):

@@ -73,9 +73,9 @@ def test_a_slow_c_build_is_never_the_default(auto, monkeypatch, tiny_dir, layers
     path, and the model is built on it with the same results."""
     _force_timings(monkeypatch, layers, head)
     model = load_model(tiny_dir, loop=cpu_plan.workloads(2, 3))
-    assert (model.plan.layers, model.plan.lm_head) == want
+    assert (model.plan.cpu.layers, model.plan.cpu.lm_head) == want
     assert (model.c_decoder is not None) == (want[0] == "c")
-    assert model.c_attention == (want[0] != "torch")
+    assert (model.plan.attention == "c") == (want[0] != "torch")
     assert all((lin.panel is not None) == (want[0] == "c") for lin in (model.layers[0].qkv, model.layers[0].down))
     assert (model.lm_head.panel is not None) == (want[1] == "c")
     reference = load_model(tiny_dir, plan=execution.forced("c"))

@@ -22,16 +22,15 @@ from pathlib import Path
 import torch
 
 from .cache import KVCache
-from .execution import Execution
+from .execution import TRANSFORMERS, Execution, ModelPlan
 from .hf_arch import (ProbeResult, config_problem, context_problem, first_line, load_config, model_class_problem,
                       num_layers_of, position_limit, probe, probe_result)
-from . import cpu_decoder
 from .hf_attention import ATTN_IMPLEMENTATION, STATE_KWARG, PackedPass, register
 from .llama import Linear, triton_kernels
 from .segments import Segments
 from .spec import CheckpointError, UnsupportedModelError
 
-BACKEND = "transformers"
+BACKEND = TRANSFORMERS
 
 
 @dataclass(frozen=True)
@@ -60,19 +59,18 @@ class TransformersModel:
         self.hf = hf
         self.spec = spec
         self.features = probed.features
-        self.execution = execution or Execution()
         self.device = next(hf.parameters()).device
         self.dtype = next(hf.parameters()).dtype
+        self.plan = ModelPlan.make(TRANSFORMERS, self.dtype, self.device, execution)
         self.position_limit = position_limit
         # the Triton kernels (CUDA) for attention's plain causal path and for acceptance (the loop reads .kernels)
-        self.kernels = triton_kernels(self.execution)
+        self.kernels = triton_kernels(self.plan)
         self._keeps_rows = "logits_to_keep" in inspect.signature(hf.forward).parameters
         self._layers = _layer_list(hf, spec.num_layers)
-        # On CPU (unless the job asks for torch's path): the C kernels the native decoder uses, for every
-        # nn.Linear (panel GEMMs, or oneDNN's prepacked ones) and for plain causal attention (KV write + attend).
-        on_c = self.device.type == "cpu" and self.kernels is None and self.execution.cpu != "torch"
-        self.cpu_lib = cpu_decoder.library() if on_c else None
-        self.c_linears = swap_linears(hf) if self.cpu_lib is not None else 0
+        # Where the plan has the C library (CPU, not torch's path, not Triton): the C kernels the native decoder
+        # uses, for every nn.Linear (panel GEMMs, or oneDNN's prepacked ones) and for plain causal attention.
+        self.cpu_lib = self.plan.lib
+        self.c_linears = swap_linears(hf) if self.plan.c_library else 0
 
     # -- construction -------------------------------------------------------------------
 
@@ -123,10 +121,10 @@ class TransformersModel:
             "backend": BACKEND,
             "transformers": __version__,
             "model_class": type(self.hf).__name__,
-            "attention": "triton" if self.kernels is not None else "c" if self.cpu_lib is not None else "torch",
+            "attention": self.plan.attention,
             "c_linears": self.c_linears,
             "attention_features": sorted(self.features),
-            **self.execution.describe(),
+            **self.plan.execution.describe(),
         }
 
     def allocate_cache(self, slots: int, max_len: int, num_layers: int | None = None) -> KVCache:
