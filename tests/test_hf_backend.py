@@ -126,6 +126,26 @@ def hf_generate(folder: Path, prompts=PROMPTS, max_tokens: int = MAX_TOKENS) -> 
     return out
 
 
+def test_both_backends_implement_the_target_protocol(folders, tiny_dir):
+    """Every member of protocol.TargetModel is there on both backends, the loop and the drafters read them
+    without defaults; the transformers backend refuses the target features it does not give, in words."""
+    from spin_batch.models.execution import ModelPlan
+    from spin_batch.models.loader import load_model
+    from spin_batch.models.protocol import TargetModel
+
+    members = set(TargetModel.__annotations__) | {n for n, v in vars(TargetModel).items()
+                                                  if callable(v) and not n.startswith("_")}
+    assert {"spec", "plan", "kernels", "tree_segments", "forward", "forward_with_hidden", "allocate_cache"} <= members
+    hf, native = TransformersModel.load(folders["qwen3"], torch.float32, "cpu"), load_model(tiny_dir)
+    for model in (hf, native):
+        assert isinstance(model, TargetModel) and all(hasattr(model, m) for m in members), type(model)
+        assert isinstance(model.plan, ModelPlan) and isinstance(model.tree_segments, bool)
+    assert (hf.tree_segments, native.tree_segments) == (False, True)
+    seg = Segments.build([(0, 3, 0)])
+    with pytest.raises(UnsupportedModelError, match="need the native backend"):
+        hf.forward_with_hidden(torch.tensor([1, 2, 3]), seg, hf.allocate_cache(1, 16))
+
+
 # -- greedy: transformers' generate, token for token ---------------------------------------------------
 
 

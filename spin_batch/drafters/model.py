@@ -29,6 +29,7 @@ from ..models.cache import KVCache
 from ..models.cpu_decoder import argmax
 from ..models.distilled import TargetFeatures
 from ..models.llama import LlamaModel
+from ..models.protocol import TargetModel
 from ..models.segments import Segments
 from .base import Drafter, DraftRequest, Proposal
 from .ngram import lookup_matches
@@ -41,7 +42,7 @@ class ModelDrafter(Drafter):
     trees = True
     lookahead = 0  # guessed tokens a chain's forward may check past its real one (see the module docstring)
 
-    def __init__(self, name: str, model: LlamaModel, cache: KVCache, num_layers: int | None = None):
+    def __init__(self, name: str, model: TargetModel, cache: KVCache, num_layers: int | None = None):
         super().__init__(name)
         self.model = model
         self.cache = cache
@@ -49,7 +50,7 @@ class ModelDrafter(Drafter):
         # A distilled draft's head covers a subset of the target vocabulary: row k is target id vocab_ids[k].
         self.vocab_ids = model.vocab_ids
         self.lens = [0] * cache.slots  # [slots] tokens of each slot held in this drafter's cache
-        self.trees = getattr(model, "tree_segments", True)  # a tree's later rounds are tree segments
+        self.trees = model.tree_segments  # a tree's later rounds are tree segments
 
     def on_admit(self, slot: int) -> None:
         self.lens[slot] = 0

@@ -5,8 +5,8 @@ norms, final logit soft-capping, the LM head); only attention is ours: the model
 attn_implementation = hf_attention.ATTN_IMPLEMENTATION, and each forward passes a PackedPass down
 through model.forward's kwargs. A forward runs the flat tokens of the packed segments as a [1, N]
 batch with the segments' positions as position ids, so prefill chunks, decode tokens and verify runs
-share one call, as on the native decoder (llama.py). The loop and the drafters see the same interface:
-forward, allocate_cache, device, dtype, spec, backend().
+share one call, as on the native decoder (llama.py). The loop and the drafters see the same interface,
+protocol.TargetModel.
 
 Early exit (drafters.early_exit) runs the first L decoder layers, then the model's final norm and head:
 the decoder's layer list is cut to L for that forward.
@@ -48,7 +48,7 @@ class HfSpec:
 
 class TransformersModel:
     """A transformers causal LM whose attention runs on our packed segments and cache. Holds no
-    per-request state: caches are passed in, as to LlamaModel."""
+    per-request state: caches are passed in, as to LlamaModel. A protocol.TargetModel."""
 
     vocab_ids = None  # every logits row is its own token id (a distilled draft's head would map them)
     feature_head = None  # no target-feature drafts on this backend
@@ -163,6 +163,14 @@ class TransformersModel:
         if rows is not None and not self._keeps_rows:
             logits = logits[rows]
         return logits.float()
+
+    def forward_with_hidden(self, tokens: torch.Tensor, seg: Segments, cache: KVCache,
+                            logits_rows: torch.Tensor | list[int] | None = None,
+                            num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Refused: the drafts that read a target's features run next to a native target only (build.py
+        refuses the pairing before any forward)."""
+        raise UnsupportedModelError("the target's features (a distilled draft that reads them) need the native "
+                                    "backend")
 
     @contextlib.contextmanager
     def _first_layers(self, layers: int):

@@ -154,7 +154,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class LlamaModel:
-    """Weights plus the packed forward. Holds no per-request state: caches are passed in."""
+    """Weights plus the packed forward. Holds no per-request state: caches are passed in. A
+    protocol.TargetModel."""
+
+    tree_segments = True  # the forward verifies token-tree segments (ancestor masks)
 
     def __init__(
         self,
