@@ -157,6 +157,16 @@ TRAIN_PROMPTS = [
 ]
 
 
+SPEC_KEYS = ("id_column", "prompt_column", "messages_column", "params_column", "keep_columns", "fmt")
+
+
+def spec_of(kwargs: dict):
+    """The reader's Spec (io.rows.row_spec) from the column keywords in kwargs, which are taken out of it."""
+    from spin_batch.io.rows import row_spec
+
+    return row_spec(**{k: kwargs.pop(k) for k in SPEC_KEYS if k in kwargs})
+
+
 def distill_tiny(root: Path, target_dir: Path, sizes: str, features: bool):
     """`spin-batch distill` run on the tiny target: a 40-id head, a few seconds of training."""
     from spin_batch.distill import DistillSettings, run_distill

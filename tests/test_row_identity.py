@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import write_jsonl
+from conftest import spec_of, write_jsonl
 from spin_batch.io.identity import request_key
 from spin_batch.io.outputs import read_output_table, read_written
 from spin_batch.io.reader import iter_requests
@@ -225,7 +225,7 @@ def test_parts_without_a_digest_keep_resuming_and_a_move_replaces_their_rows(tmp
 
 
 def keys_by_id(path: Path, **kw) -> dict:
-    return {r.id: (request_key(r), r.digest) for r in iter_requests([path], **kw)}
+    return {r.id: (request_key(r), r.digest) for r in iter_requests([path], spec_of(kw), **kw)}
 
 
 def test_the_digest_covers_prompt_messages_params_and_an_openai_body_only(tmp_path):

@@ -20,7 +20,7 @@ from spin_batch.io.schema import OUTPUT_SCHEMA, completion_row
 from spin_batch.io.writer import OutputWriter
 from spin_batch.records import Completion
 
-from conftest import write_jsonl
+from conftest import spec_of, write_jsonl
 
 BASE = "input: {paths: p.jsonl}\noutput: {dir: out}\n"
 
@@ -104,7 +104,7 @@ def test_a_merge_may_be_overridden(tmp_path):
 
 
 def _one(rows: list[dict], **kw):
-    return requests_from_rows(rows, **kw)
+    return requests_from_rows(rows, spec_of(kw), **kw)
 
 
 @pytest.mark.parametrize("role", ["system", "developer", "user", "assistant", "tool"])
