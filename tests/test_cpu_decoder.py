@@ -143,18 +143,15 @@ def test_a_failed_compile_says_why(monkeypatch, tmp_path):
 def test_run_says_so_when_the_kernel_is_required_but_cannot_build(monkeypatch, tmp_path, tiny_dir, asked, command):
     """The job (target.kernels: c) or the environment asks for the C decoder where it cannot be built: run and
     validate both stop before any model loads, saying what asked for it and why it cannot be had."""
-    import yaml
     from click.testing import CliRunner
-    from conftest import write_jsonl
+    from conftest import write_job
 
     from spin_batch.cli import main
     from spin_batch.models import loader
 
-    shard = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "red green"}])
-    job = tmp_path / "job.yaml"
-    target = {"model": str(tiny_dir), **({"kernels": "c"} if asked.startswith("target") else {})}
-    job.write_text(yaml.safe_dump({"input": {"paths": [str(shard)]}, "output": {"dir": str(tmp_path / "out")},
-                                   "target": target, "sampling": {"max_tokens": 2}}))
+    target = {"kernels": "c"} if asked.startswith("target") else {}
+    job = write_job(tmp_path, tiny_dir, rows=[{"id": "a", "prompt": "red green"}], out=tmp_path / "out",
+                    target=target, sampling={"max_tokens": 2})
     try:
         monkeypatch.setenv("SPIN_BATCH_CACHE", str(tmp_path / "cache"))
         monkeypatch.setenv("CC", "no-such-compiler")

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from click.testing import CliRunner
 
 from spin_batch.cli import main
@@ -20,7 +19,7 @@ from spin_batch.models.llama import LlamaModel
 from spin_batch.models.loader import ExecutionError, load_model, resolve_execution
 from spin_batch.models.segments import Segments
 
-from conftest import write_jsonl
+from conftest import write_job
 
 CPU = torch.device("cpu")
 
@@ -169,15 +168,10 @@ def test_a_model_reads_no_environment(monkeypatch, tiny_dir):
 
 
 def _job_file(tmp_path: Path, model_dir: Path, kernels: str) -> Path:
-    shard = write_jsonl(tmp_path / "in.jsonl", [{"id": str(i), "prompt": p} for i, p in
-                                                 enumerate(["red green blue red", "once upon a time"])])
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({
-        "input": {"paths": [str(shard)]}, "output": {"dir": str(tmp_path / "out")},
-        "target": {"model": str(model_dir), "kernels": kernels},
-        "drafters": [{"name": "early", "kind": "early_exit", "layers": 1}],
-        "batch": {"slots": 2}, "sampling": {"max_tokens": 4}}))
-    return job
+    rows = [{"id": str(i), "prompt": p} for i, p in enumerate(["red green blue red", "once upon a time"])]
+    return write_job(tmp_path, model_dir, rows=rows, out=tmp_path / "out", target={"kernels": kernels},
+                     drafters=[{"name": "early", "kind": "early_exit", "layers": 1}], batch={"slots": 2},
+                     sampling={"max_tokens": 4})
 
 
 def test_the_summary_records_the_jobs_choice(no_env, tmp_path, tiny_dir):

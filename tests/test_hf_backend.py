@@ -440,19 +440,12 @@ def with_tokenizer(out: Path, tokenizer_dir: Path, name: str, **fields) -> Path:
 
 
 def job(tmp_path: Path, model: Path, name: str = "job", drafters=(), max_model_len: int = 64, **target) -> Path:
-    import yaml
+    from conftest import write_job
 
-    from conftest import write_jsonl
-
-    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "the quick brown fox"},
-                                                 {"id": "b", "prompt": "list three colours"}])
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": name, "input": {"paths": [str(prompts)]}, "output": {"dir": str(tmp_path / f"out-{name}")},
-        "target": {"model": str(model), "dtype": "float32", "device": "cpu", **target}, "drafters": list(drafters),
-        "batch": {"slots": 2, "max_model_len": max_model_len}, "sampling": {"temperature": 0.0, "max_tokens": 5},
-    }))
-    return path
+    rows = [{"id": "a", "prompt": "the quick brown fox"}, {"id": "b", "prompt": "list three colours"}]
+    return write_job(tmp_path, model, rows=rows, name=name, target={"dtype": "float32", "device": "cpu", **target},
+                     drafters=list(drafters), batch={"slots": 2, "max_model_len": max_model_len},
+                     sampling={"temperature": 0.0, "max_tokens": 5})
 
 
 def invoke(*args):

@@ -18,8 +18,8 @@ from spin_batch.io.rows import row_spec
 from spin_batch.io.shards import InputError, list_shards
 from spin_batch.records import NO_PARAMS, RowParams
 
-from conftest import spec_of, write_jsonl
-from test_cli_e2e import _isolate_process_state, make_job, read_rows, run_ok  # noqa: F401
+from conftest import make_job, spec_of, write_jsonl
+from test_cli_e2e import _isolate_process_state, read_rows, run_ok  # noqa: F401
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "openai_batch.jsonl"
 HI = [{"role": "user", "content": "hi"}]

@@ -716,6 +716,7 @@ def test_reader_module_exports() -> None:
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_row_dealt_worker_killed_and_resumed_writes_each_row_once(tmp_path: Path, tiny_dir: Path) -> None:
     """3 workers over one file (rows dealt): worker 1 is killed with SIGKILL part way and rerun; with
     workers 0 and 2 every row is written once, worker 1 wrote exactly its dealt rows."""
@@ -723,7 +724,8 @@ def test_a_row_dealt_worker_killed_and_resumed_writes_each_row_once(tmp_path: Pa
     import signal
     import subprocess
 
-    from test_cli_e2e import (RESUME_SECTIONS, _describe, cli_command, invoke, make_job, part_files, prompt_rows,
+    from conftest import make_job
+    from test_cli_e2e import (RESUME_SECTIONS, _describe, cli_command, invoke, part_files, prompt_rows,
                               read_rows, wait_for_parts)
 
     rows = prompt_rows(90)
