@@ -45,6 +45,7 @@ import pyarrow.parquet as pq
 from .bench_methods import BenchInput, HFGenerate, LlamaCppMethod, MethodRun, oracle, run_loop
 from .config import JobConfig
 from .io.reader import iter_requests
+from .io.rows import input_spec
 from .io.shards import list_shards
 from .records import Request
 from .build import Engine, backends, build_engine, make_encoder
@@ -136,9 +137,7 @@ def load_bench_input(job: JobConfig, engine: Engine, limit: int | None, prompts:
         reqs = humaneval_requests(limit)
     else:
         shards = list_shards(job.input.paths, job.input.format)
-        reqs = [r for r in iter_requests(shards, id_column=job.input.id_column,
-                                         prompt_column=job.input.prompt_column,
-                                         messages_column=job.input.messages_column, limit=limit) if r.ok]
+        reqs = [r for r in iter_requests(shards, input_spec(job.input, job.output.keep_columns), limit=limit) if r.ok]
     encode = make_encoder(engine.tokenizer, job)
     cache: dict[str, list[int]] = {}
 

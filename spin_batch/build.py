@@ -176,7 +176,7 @@ def build_drafters(job: JobConfig, target: LlamaModel, target_cache, device: tor
                 model = load_draft(draft_dir, target, loader.DTYPES[dtype], device, embeds, loop)
             else:
                 model = loader.load_model(draft_dir, d.dtype or job.target.dtype, device, loop,
-                                          execution=target.execution, backend=d.backend,
+                                          execution=target.plan.execution, backend=d.backend,
                                           trust_remote_code=d.trust_remote_code)
             if model.spec.vocab_size != target.spec.vocab_size:
                 raise ValueError(f"drafter {d.name!r}: vocab size {model.spec.vocab_size} differs from the "
@@ -231,7 +231,7 @@ def loop_settings(job: JobConfig, eos: frozenset[int], device: torch.device,
 def prefix_exact(target) -> bool:
     """Whether a reused K/V row is the one a prefill would write: the target's rows are batch-invariant
     (the whole decoder in C, docs/kernels.md), not on torch's GEMMs, Triton or the transformers backend."""
-    return isinstance(target, LlamaModel) and target.c_decoder is not None and not target.kernels
+    return isinstance(target, LlamaModel) and target.path == "c_decoder"
 
 
 def make_prefix_cache(job: JobConfig, target) -> PrefixCache | None:

@@ -285,7 +285,7 @@ def export(out_dir, dest, fmt, model, no_errors):
 @click.option("--topk", type=int, default=16, show_default=True, help="Teacher log-probs kept per position.")
 @click.option("--max-tokens", type=int, default=128, show_default=True, help="Completion length when generating.")
 @click.option("--slots", type=int, default=32, show_default=True,
-              help="Batch slots when generating (32 decodes about 1.3x faster than 16 on a 2-core CPU).")
+              help="Batch slots when generating (more slots: more tokens a second, docs/distill.md).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True)
 @click.option("--save-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
@@ -305,7 +305,7 @@ def export(out_dir, dest, fmt, model, no_errors):
               help="AdamW weight decay: a regulariser when the drafts overfit the teacher data.")
 @click.option("--precision", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
               help="Training matmuls: bfloat16 autocast (weights, optimizer and losses stay float32) or float32; "
-                   "auto: bfloat16 where the hardware has it natively (about 2.4x faster on an AMX CPU).")
+                   "auto: bfloat16 where the hardware has it natively (docs/distill.md).")
 @click.option("--teacher-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
               show_default=True,
               help="The target's dtype when it generates and scores the training data; auto: bfloat16 where the "

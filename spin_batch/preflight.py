@@ -11,6 +11,7 @@ import torch
 from .config import EarlyExitDrafterConfig, JobConfig, ModelDrafterConfig
 from .drafters.early_exit import check_layers
 from .io.checks import check_columns, check_input
+from .io.rows import input_spec
 from .io.shards import InputError, list_shards
 from .models import capacity, loader
 from .models.distilled import check_pairing, draft_meta
@@ -169,14 +170,10 @@ def validate_job(job: JobConfig, check_models_too: bool = True) -> list[str]:
         shards = list_shards(job.input.paths, job.input.format)
     except ValueError as e:
         return [str(e)]
-    problems = check_input(shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
-                           messages_column=job.input.messages_column, max_line_bytes=job.input.max_line_bytes,
-                           params_column=job.input.params_column, fmt=job.input.format,
-                           keep_columns=job.output.keep_columns)
+    spec = input_spec(job.input, job.output.keep_columns)
+    problems = check_input(shards, spec, max_line_bytes=job.input.max_line_bytes)
     try:  # a column that none of the first rows of the first JSONL shard has (check_input counts bad rows)
-        check_columns([p for p in shards if p.suffix != ".parquet"], id_column=job.input.id_column,
-                      prompt_column=job.input.prompt_column, messages_column=job.input.messages_column,
-                      max_line_bytes=job.input.max_line_bytes, fmt=job.input.format)
+        check_columns([p for p in shards if p.suffix != ".parquet"], spec, max_line_bytes=job.input.max_line_bytes)
     except InputError as e:
         problems.append(str(e))
     problems += check_output(job)

@@ -60,7 +60,7 @@ import pyarrow as pa
 from .config import ConfigError, JobConfig, job_to_dict, load_job, parse_job
 from .io import columns
 from .io.reader import requests_from_rows
-from .io.rows import column_problems
+from .io.rows import column_problems, input_spec
 from .io.schema import OUTPUT_SCHEMA, completion_row
 from .records import Completion, Request
 
@@ -150,10 +150,8 @@ class SpinBatchPredictor:
         return out if self.postprocess is None else _postprocessed(out, self.postprocess)
 
     def _requests(self, table: pa.Table, failed: Mapping[int, str]) -> list[Request]:
-        icfg = self.job.input
-        requests = requests_from_rows(table.to_pylist(), id_column=icfg.id_column,
-                                      prompt_column=icfg.prompt_column, messages_column=icfg.messages_column,
-                                      params_column=icfg.params_column, source_prefix=f"batch{self.batches}")
+        requests = requests_from_rows(table.to_pylist(), input_spec(self.job.input),
+                                      source_prefix=f"batch{self.batches}")
         return [replace(r, error=failed[i]) if i in failed else r for i, r in enumerate(requests)]
 
     def _decode(self, requests: list[Request]) -> list[dict]:

@@ -19,6 +19,7 @@ from .fingerprint import check_fingerprint, check_workers
 from .io.checks import check_columns
 from .io.outputs import cleanup_temp, drop_superseded, read_written
 from .io.reader import iter_requests
+from .io.rows import input_spec
 from .io.schema import completion_row
 from .io.shards import assign, count_rows, file_format, list_shards, resolve_workers, worker_sources
 from .io.writer import OutputWriter, StatsWriter, make_run_id, write_json_atomic
@@ -82,10 +83,7 @@ def run_job(
         raise ValueError(f"--limit must be an integer >= 0, got {limit!r}")
     shards = list_shards(job.input.paths, job.input.format)
     mine, _ = assign(shards, shard_index, num_shards)
-    check_columns(mine, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
-                  messages_column=job.input.messages_column, max_line_bytes=job.input.max_line_bytes,
-                  params_column=job.input.params_column, fmt=job.input.format,
-                  keep_columns=job.output.keep_columns)
+    check_columns(mine, input_spec(job.input, job.output.keep_columns), max_line_bytes=job.input.max_line_bytes)
     problems = check_output(job)
     if problems:
         raise ValueError(problems[0])
@@ -128,11 +126,8 @@ def _run_locked(job: JobConfig, out: Path, worker: str, shards: list[Path], shar
             bar.update(1)
 
     requests = iter_requests(
-        shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
-        messages_column=job.input.messages_column, shard_index=shard_index, num_shards=num_shards,
+        shards, input_spec(job.input, job.output.keep_columns), shard_index=shard_index, num_shards=num_shards,
         is_done=done, limit=limit, on_skip=count_skip, max_line_bytes=job.input.max_line_bytes,
-        params_column=job.input.params_column, fmt=job.input.format,
-        keep_columns=job.output.keep_columns,
     )
     writer = OutputWriter(out, worker=worker, run_id=run_id, rows_per_part=job.output.rows_per_part,
                           flush_interval_s=job.output.flush_interval_s)
@@ -287,7 +282,7 @@ def start_line(job: JobConfig, engine: Engine, worker: str, done: int | None, to
     """What a log needs to tell runs apart: model, dtype, device, the target's CPU path, slots, worker."""
     target = engine.target
     plan = getattr(target, "plan", None)
-    path = (f"layers={plan.layers} lm_head={plan.lm_head}" if plan is not None
+    path = (f"layers={plan.cpu.layers} lm_head={plan.cpu.lm_head}" if plan is not None and plan.backend == "native"
             else f"backend={model_backend(target)['backend']}")
     dtype = str(getattr(target, "dtype", job.target.dtype)).removeprefix("torch.")
     return (f"spin-batch: start model={job.target.model} dtype={dtype} "

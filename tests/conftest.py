@@ -157,6 +157,58 @@ TRAIN_PROMPTS = [
 ]
 
 
+def merge(base: dict, extra: dict) -> dict:
+    """extra merged into base in place, nested mappings key by key; returns base."""
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def write_job(tmp_path: Path, model, inputs=(), *, rows: list | None = None, name: str = "job",
+              out: Path | None = None, **sections) -> Path:
+    """Write the job file tmp_path/<name>.yaml and return its path: the input files `inputs` (or `rows`,
+    written to tmp_path/in.jsonl), the output folder `out` (default tmp_path/out-<name>), the target model,
+    and the other `sections` merged in (nested mappings key by key). Nothing else: the job's defaults hold."""
+    import yaml
+
+    if rows is not None:
+        inputs = [write_jsonl(tmp_path / "in.jsonl", rows)]
+    job = merge({"name": name, "input": {"paths": [str(p) for p in inputs]},
+                 "output": {"dir": str(out or tmp_path / f"out-{name}")}, "target": {"model": str(model)}}, sections)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+E2E_SECTIONS = {
+    "target": {"dtype": "float32", "device": "cpu"},
+    "batch": {"slots": 3, "max_model_len": 128, "max_num_batched_tokens": 64},
+    "sampling": {"temperature": 0.0, "max_tokens": 12, "seed": 0},
+}
+
+
+def make_job(tmp_path: Path, model_dir: Path, inputs, *, name: str = "job", **sections) -> tuple[Path, Path]:
+    """write_job with the end-to-end tests' settings (E2E_SECTIONS: float32 on CPU, 3 slots, greedy, 12 tokens)
+    under `sections`; returns (job path, output folder)."""
+    import copy
+
+    path = write_job(tmp_path, model_dir, inputs, name=name, **merge(copy.deepcopy(E2E_SECTIONS), sections))
+    return path, tmp_path / f"out-{name}"
+
+
+SPEC_KEYS = ("id_column", "prompt_column", "messages_column", "params_column", "keep_columns", "fmt")
+
+
+def spec_of(kwargs: dict):
+    """The reader's Spec (io.rows.row_spec) from the column keywords in kwargs, which are taken out of it."""
+    from spin_batch.io.rows import row_spec
+
+    return row_spec(**{k: kwargs.pop(k) for k in SPEC_KEYS if k in kwargs})
+
+
 def distill_tiny(root: Path, target_dir: Path, sizes: str, features: bool):
     """`spin-batch distill` run on the tiny target: a 40-id head, a few seconds of training."""
     from spin_batch.distill import DistillSettings, run_distill

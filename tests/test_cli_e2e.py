@@ -20,12 +20,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-import yaml
 from click.testing import CliRunner
 
 from spin_batch.cli import main
 
-from conftest import CORPUS, build_tiny_model, write_jsonl
+from conftest import CORPUS, build_tiny_model, make_job, write_jsonl
 
 DESIGN_COLUMNS = [
     "id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "status", "error",
@@ -73,32 +72,6 @@ def _isolate_process_state(monkeypatch):
 
 def prompt_rows(n: int, prefix: str = "r") -> list[dict]:
     return [{"id": f"{prefix}{i:03d}", "prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}"} for i in range(n)]
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _merge(base[key], value)
-        else:
-            base[key] = value
-    return base
-
-
-def make_job(tmp_path: Path, model_dir: Path, inputs, *, name: str = "job", **sections) -> tuple[Path, Path]:
-    """Write a job YAML to tmp_path/<name>.yaml; returns (job path, output dir)."""
-    out = tmp_path / f"out-{name}"
-    job = {
-        "name": name,
-        "input": {"paths": [str(p) for p in inputs]},
-        "output": {"dir": str(out)},
-        "target": {"model": str(model_dir), "dtype": "float32", "device": "cpu"},
-        "batch": {"slots": 3, "max_model_len": 128, "max_num_batched_tokens": 64},
-        "sampling": {"temperature": 0.0, "max_tokens": 12, "seed": 0},
-    }
-    _merge(job, sections)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(job, sort_keys=False))
-    return path, out
 
 
 def invoke(*args: str, env: dict | None = None):
@@ -341,6 +314,7 @@ RESUME_SECTIONS = dict(
 )
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9_loses_and_duplicates_nothing(tmp_path, tiny_dir):
     rows = prompt_rows(RESUME_ROWS)
     ids = [r["id"] for r in rows]
@@ -418,6 +392,7 @@ def test_run_lock_is_per_worker_released_on_close_and_skipped_where_locks_fail(t
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigterm_stops_cleanly_and_rerun_completes(tmp_path, tiny_dir):
     rows = prompt_rows(RESUME_ROWS)
     ids = [r["id"] for r in rows]

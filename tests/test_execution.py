@@ -9,18 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from click.testing import CliRunner
 
 from spin_batch.cli import main
 from spin_batch.config import ConfigError, job_to_dict, parse_job
 from spin_batch.models import loader
-from spin_batch.models.execution import CHOICES, ENV_CPU, ENV_GRAPHS, ENV_TRITON, CpuPlan, Execution
+from spin_batch.models.execution import CHOICES, ENV_CPU, ENV_GRAPHS, ENV_TRITON, CpuPlan, Execution, ModelPlan
 from spin_batch.models.llama import LlamaModel
 from spin_batch.models.loader import ExecutionError, load_model, resolve_execution
 from spin_batch.models.segments import Segments
 
-from conftest import write_jsonl
+from conftest import write_job
 
 CPU = torch.device("cpu")
 
@@ -124,11 +123,11 @@ def test_auto_on_cuda_is_triton_with_graphs(no_env, monkeypatch):
 
 def test_the_model_runs_what_the_job_chose(no_env, tiny_dir):
     torch_model = load_model(tiny_dir, execution=resolve_execution("torch", CPU))
-    assert torch_model.execution.kernels == "torch" and torch_model.plan.why == "target.kernels: torch"
+    assert torch_model.plan.execution.kernels == "torch" and torch_model.plan.why == "target.kernels: torch"
     assert torch_model.cpu_lib is None and torch_model.c_decoder is None and torch_model.kernels is None
     assert all(lin.panel is None for lin in (torch_model.layers[0].qkv, torch_model.lm_head))
     c_model = load_model(tiny_dir, execution=resolve_execution("c", CPU))
-    assert c_model.c_decoder is not None and c_model.plan == CpuPlan("c", "c", "target.kernels: c")
+    assert c_model.c_decoder is not None and c_model.plan.cpu == CpuPlan("c", "c", "target.kernels: c")
     triton_model = load_model(tiny_dir, execution=resolve_execution("triton", CPU))
     assert triton_model.kernels is not None and triton_model.kernels.__name__ == "spin_kernels"
     assert triton_model.c_decoder is None and triton_model.graphs is None
@@ -140,26 +139,39 @@ def test_the_model_runs_what_the_job_chose(no_env, tiny_dir):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernels,attention,path,linears", [
+    ("torch", "torch", "torch", False), ("c", "c", "c_decoder", True), ("triton", "triton", "triton", False)])
+def test_one_plan_per_model_decides_its_path(no_env, tiny_dir, kernels, attention, path, linears):
+    """The model's whole path is one frozen ModelPlan made when it loads: the model's kernels, C library and
+    forward path are read from it, and its int8 copy's plan is derived from it."""
+    model = load_model(tiny_dir, execution=resolve_execution(kernels, CPU))
+    plan = model.plan
+    assert isinstance(plan, ModelPlan) and plan.backend == "native" and plan.dtype == torch.float32
+    assert (plan.attention, model.path, plan.linears) == (attention, path, linears)
+    assert model.cpu_lib is plan.lib and (model.kernels is not None) == plan.triton
+    assert plan.execution.kernels == kernels and plan.why == plan.cpu.why
+    with pytest.raises(AttributeError):
+        plan.attention = "torch"  # frozen: decided once
+    copy = model.int8_copy(loader.load_state_dict(tiny_dir))
+    assert copy.plan.execution is plan.execution and copy.plan.c_library == plan.c_library
+    assert copy.plan.cpu.layers == ("c" if plan.c_library else "torch")
+
+
 def test_a_model_reads_no_environment(monkeypatch, tiny_dir):
-    """The environment reaches a model only through resolve_execution: one built with an Execution
-    ignores SPIN_BATCH_KERNELS and SPIN_BATCH_CPU_GEMM."""
+    """The environment reaches a model only through resolve_execution: one built outside the loader (its
+    default plan, on Execution()) ignores SPIN_BATCH_KERNELS and SPIN_BATCH_CPU_GEMM."""
     monkeypatch.setenv(ENV_TRITON, "on")
     monkeypatch.setenv(ENV_CPU, "off")
     sd = loader.load_state_dict(tiny_dir)
-    model = LlamaModel.from_state_dict(loader.read_spec(tiny_dir), sd, torch.float32, CPU, execution=Execution())
+    model = LlamaModel.from_state_dict(loader.read_spec(tiny_dir), sd, torch.float32, CPU)
     assert model.kernels is None and model.c_decoder is not None and model.cpu_lib is not None
 
 
 def _job_file(tmp_path: Path, model_dir: Path, kernels: str) -> Path:
-    shard = write_jsonl(tmp_path / "in.jsonl", [{"id": str(i), "prompt": p} for i, p in
-                                                 enumerate(["red green blue red", "once upon a time"])])
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({
-        "input": {"paths": [str(shard)]}, "output": {"dir": str(tmp_path / "out")},
-        "target": {"model": str(model_dir), "kernels": kernels},
-        "drafters": [{"name": "early", "kind": "early_exit", "layers": 1}],
-        "batch": {"slots": 2}, "sampling": {"max_tokens": 4}}))
-    return job
+    rows = [{"id": str(i), "prompt": p} for i, p in enumerate(["red green blue red", "once upon a time"])]
+    return write_job(tmp_path, model_dir, rows=rows, out=tmp_path / "out", target={"kernels": kernels},
+                     drafters=[{"name": "early", "kind": "early_exit", "layers": 1}], batch={"slots": 2},
+                     sampling={"max_tokens": 4})
 
 
 def test_the_summary_records_the_jobs_choice(no_env, tmp_path, tiny_dir):

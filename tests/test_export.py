@@ -12,7 +12,8 @@ from spin_batch.io.schema import error_row
 from spin_batch.io.writer import OutputWriter
 
 from conftest import write_jsonl
-from test_cli_e2e import _describe, _isolate_process_state, invoke, make_job, prompt_rows, run_ok  # noqa: F401
+from conftest import make_job
+from test_cli_e2e import _describe, _isolate_process_state, invoke, prompt_rows, run_ok  # noqa: F401
 
 
 def ok_row(source: str, id: str, text: str) -> dict:

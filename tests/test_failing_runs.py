@@ -16,7 +16,8 @@ import yaml
 
 from conftest import write_jsonl
 from test_cli_e2e import _isolate_process_state  # noqa: F401 (autouse: signal handlers, SLURM_*, threads)
-from test_cli_e2e import _describe, invoke, make_job, prompt_rows, read_rows
+from conftest import make_job
+from test_cli_e2e import _describe, invoke, prompt_rows, read_rows
 
 # --------------------------------------------------------------------------
 # --max-error-rate

@@ -126,6 +126,26 @@ def hf_generate(folder: Path, prompts=PROMPTS, max_tokens: int = MAX_TOKENS) -> 
     return out
 
 
+def test_both_backends_implement_the_target_protocol(folders, tiny_dir):
+    """Every member of protocol.TargetModel is there on both backends, the loop and the drafters read them
+    without defaults; the transformers backend refuses the target features it does not give, in words."""
+    from spin_batch.models.execution import ModelPlan
+    from spin_batch.models.loader import load_model
+    from spin_batch.models.protocol import TargetModel
+
+    members = set(TargetModel.__annotations__) | {n for n, v in vars(TargetModel).items()
+                                                  if callable(v) and not n.startswith("_")}
+    assert {"spec", "plan", "kernels", "tree_segments", "forward", "forward_with_hidden", "allocate_cache"} <= members
+    hf, native = TransformersModel.load(folders["qwen3"], torch.float32, "cpu"), load_model(tiny_dir)
+    for model in (hf, native):
+        assert isinstance(model, TargetModel) and all(hasattr(model, m) for m in members), type(model)
+        assert isinstance(model.plan, ModelPlan) and isinstance(model.tree_segments, bool)
+    assert (hf.tree_segments, native.tree_segments) == (False, True)
+    seg = Segments.build([(0, 3, 0)])
+    with pytest.raises(UnsupportedModelError, match="need the native backend"):
+        hf.forward_with_hidden(torch.tensor([1, 2, 3]), seg, hf.allocate_cache(1, 16))
+
+
 # -- greedy: transformers' generate, token for token ---------------------------------------------------
 
 
@@ -420,19 +440,12 @@ def with_tokenizer(out: Path, tokenizer_dir: Path, name: str, **fields) -> Path:
 
 
 def job(tmp_path: Path, model: Path, name: str = "job", drafters=(), max_model_len: int = 64, **target) -> Path:
-    import yaml
+    from conftest import write_job
 
-    from conftest import write_jsonl
-
-    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "the quick brown fox"},
-                                                 {"id": "b", "prompt": "list three colours"}])
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": name, "input": {"paths": [str(prompts)]}, "output": {"dir": str(tmp_path / f"out-{name}")},
-        "target": {"model": str(model), "dtype": "float32", "device": "cpu", **target}, "drafters": list(drafters),
-        "batch": {"slots": 2, "max_model_len": max_model_len}, "sampling": {"temperature": 0.0, "max_tokens": 5},
-    }))
-    return path
+    rows = [{"id": "a", "prompt": "the quick brown fox"}, {"id": "b", "prompt": "list three colours"}]
+    return write_job(tmp_path, model, rows=rows, name=name, target={"dtype": "float32", "device": "cpu", **target},
+                     drafters=list(drafters), batch={"slots": 2, "max_model_len": max_model_len},
+                     sampling={"temperature": 0.0, "max_tokens": 5})
 
 
 def invoke(*args):

@@ -12,7 +12,8 @@ import pytest
 from spin_batch.models import hub, loader
 
 from conftest import write_jsonl
-from test_cli_e2e import _describe, _isolate_process_state, invoke, make_job, prompt_rows, read_rows, run_ok  # noqa: F401
+from conftest import make_job
+from test_cli_e2e import _describe, _isolate_process_state, invoke, prompt_rows, read_rows, run_ok  # noqa: F401
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -420,6 +420,7 @@ def test_problem_says_where_the_kernels_run():
         assert problem("cpu") is None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU import path")
 def test_cpu_kernels_work_without_triton_interpret_set():
     """Without a GPU, importing spin_kernels turns the interpreter on by itself, so a job's
@@ -450,6 +451,7 @@ def _have_nvidia_backend() -> bool:
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _have_nvidia_backend(), reason="triton's nvidia backend is not installed")
 def test_kernels_compile_for_sm90():
     """Every launch the wrappers make compiles to a cubin and fits in 160 KiB of shared memory.

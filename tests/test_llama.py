@@ -10,7 +10,7 @@ from spin_batch.models.loader import load_model, read_spec
 from spin_batch.models.segments import Segments
 from spin_batch.models.spec import ModelSpec, UnsupportedModelError
 
-from conftest import build_tiny_model
+from conftest import build_tiny_model, write_job
 
 ATOL = 2e-4
 
@@ -269,9 +269,6 @@ def test_attention_bias_is_llamas_only():
 def test_unknown_extra_tensor_is_rejected_at_validate_and_at_load(tmp_path, tiny_dir):
     """A checkpoint with a tensor our runtime would not use (here a q_norm, as Qwen3 has, in a folder that
     says llama) would give wrong text: `validate` (headers only) and loading both refuse it, naming it."""
-    import json
-
-    import yaml
     from click.testing import CliRunner
     from safetensors.torch import load_file, save_file
 
@@ -287,13 +284,8 @@ def test_unknown_extra_tensor_is_rejected_at_validate_and_at_load(tmp_path, tiny
     with pytest.raises(Exception, match=extra.replace(".", r"\.")):
         load_model(path)
 
-    prompts = tmp_path / "in.jsonl"
-    prompts.write_text(json.dumps({"id": "a", "prompt": "the quick brown fox"}) + "\n")
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({
-        "name": "extra", "input": {"paths": [str(prompts)]}, "output": {"dir": str(tmp_path / "out")},
-        "target": {"model": str(path), "dtype": "float32", "device": "cpu"},
-        "batch": {"slots": 1, "max_model_len": 64}, "sampling": {"temperature": 0.0, "max_tokens": 4},
-    }))
+    job = write_job(tmp_path, path, rows=[{"id": "a", "prompt": "the quick brown fox"}], name="extra",
+                    out=tmp_path / "out", target={"dtype": "float32", "device": "cpu"},
+                    batch={"slots": 1, "max_model_len": 64}, sampling={"temperature": 0.0, "max_tokens": 4})
     result = CliRunner().invoke(main, ["validate", str(job)])
     assert result.exit_code != 0 and extra in result.output, result.output

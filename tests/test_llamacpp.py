@@ -35,6 +35,7 @@ SAME_LAYOUT = {
 }
 
 
+@pytest.mark.slow
 @needs_embedded
 def test_f32_reencoding_holds_exactly_our_fp32_weights():
     import gguf
@@ -96,6 +97,7 @@ def test_llamacpp_outputs_are_reported_not_failed():
                     "66.7% of tokens before the first difference")
 
 
+@pytest.mark.slow
 @needs_embedded
 @pytest.mark.skipif(not llamacpp.available(), reason="optional llama-cpp-python not installed (pip install "
                     "llama-cpp-python builds llama.cpp, several minutes)")
@@ -113,6 +115,7 @@ def test_llamacpp_generates_greedy_text_close_to_ours(tmp_path):
         assert lc.tokens[rid][:4] == want[:4], rid  # same weights in f32: the first tokens agree
 
 
+@pytest.mark.slow
 @needs_embedded
 @pytest.mark.skipif(not llamacpp.available(), reason="optional llama-cpp-python not installed")
 def test_llamacpp_stops_at_max_model_len_like_our_loop():

@@ -17,7 +17,8 @@ from spin_batch.io.openai_batch import response_line
 from spin_batch.records import RowParams
 
 from conftest import write_jsonl
-from test_cli_e2e import _isolate_process_state, make_job, read_rows, run_ok  # noqa: F401
+from conftest import make_job
+from test_cli_e2e import _isolate_process_state, read_rows, run_ok  # noqa: F401
 from test_openai_output import lines_of, parse_line
 
 BASE = {"input": {"paths": ["a.jsonl"]}, "output": {"dir": "out"}, "target": {"model": "m"}}

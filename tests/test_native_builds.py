@@ -27,6 +27,7 @@ BUILDS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiler,flags,runner,isa", BUILDS)
 def test_kernels_check_passes(tmp_path, compiler, flags, runner, isa):
     if shutil.which(compiler) is None or (runner and shutil.which(runner[0]) is None):

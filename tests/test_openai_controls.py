@@ -18,7 +18,8 @@ from spin_batch.records import Request, RowParams
 from spin_batch.sampling import SamplingParams
 
 from conftest import write_jsonl
-from test_cli_e2e import _isolate_process_state, make_job, read_rows, run_ok  # noqa: F401
+from conftest import make_job
+from test_cli_e2e import _isolate_process_state, read_rows, run_ok  # noqa: F401
 from test_openai_input import chat, completion, one
 
 # ---------------------------------------------------------------------------- parsing

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import write_jsonl
-from test_cli_e2e import _isolate_process_state, invoke, make_job, read_rows, run_ok  # noqa: F401
+from conftest import make_job
+from test_cli_e2e import _isolate_process_state, invoke, read_rows, run_ok  # noqa: F401
 from test_openai_output import lines_of, parse_line
 
 pytest.importorskip("openai")  # in the test extra (pyproject.toml): CI installs it

@@ -14,11 +14,12 @@ from spin_batch.config import ConfigError, parse_job
 from spin_batch.io.params import ParamError, body_params, column_params, row_params
 from spin_batch.io.checks import check_columns, check_input
 from spin_batch.io.reader import iter_requests
+from spin_batch.io.rows import row_spec
 from spin_batch.io.shards import InputError, list_shards
 from spin_batch.records import NO_PARAMS, RowParams
 
-from conftest import write_jsonl
-from test_cli_e2e import _isolate_process_state, make_job, read_rows, run_ok  # noqa: F401
+from conftest import make_job, spec_of, write_jsonl
+from test_cli_e2e import _isolate_process_state, read_rows, run_ok  # noqa: F401
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "openai_batch.jsonl"
 HI = [{"role": "user", "content": "hi"}]
@@ -36,7 +37,8 @@ def completion(custom_id: str = "p1", prompt="once upon a time", **body) -> dict
 
 def read(tmp_path: Path, lines: list, fmt: str = "auto", **kwargs) -> list:
     path = write_jsonl(tmp_path / "batch.jsonl", lines)
-    return list(iter_requests(list_shards([str(path)], fmt), fmt=fmt, **kwargs))
+    kwargs["fmt"] = fmt
+    return list(iter_requests(list_shards([str(path)], fmt), spec_of(kwargs), **kwargs))
 
 
 def one(tmp_path: Path, line, fmt: str = "auto") -> object:
@@ -224,14 +226,14 @@ def test_format_jsonl_reads_an_openai_file_as_plain_rows(tmp_path: Path) -> None
     request = read(tmp_path, [completion("a")], fmt="jsonl")[0]
     assert request.error == "missing id"
     with pytest.raises(InputError, match=r"an OpenAI batch file\? set input.format to openai or auto"):
-        check_columns([tmp_path / "batch.jsonl"], fmt="jsonl")
+        check_columns([tmp_path / "batch.jsonl"], row_spec(fmt="jsonl"))
 
 
 def test_format_openai_reads_every_line_as_a_request(tmp_path: Path) -> None:
     requests = read(tmp_path, [{"id": "a", "prompt": "p"}, completion("b")], fmt="openai")
     assert requests[0].error == "missing custom_id"
     assert requests[1].ok
-    check_columns([tmp_path / "batch.jsonl"], fmt="openai")  # no plain columns to look for
+    check_columns([tmp_path / "batch.jsonl"], row_spec(fmt="openai"))  # no plain columns to look for
 
 
 def test_column_options_do_not_apply_to_openai_lines(tmp_path: Path) -> None:
@@ -328,7 +330,7 @@ def test_the_example_batch_file_reads_clean() -> None:
     assert {r.endpoint for r in requests} == {"chat", "completion"}
     temperatures = {r.params.temperature for r in requests}  # some lines sample, the others take the job's
     assert None in temperatures and len(temperatures) > 1
-    assert check_input(list_shards([str(EXAMPLE)], "openai"), fmt="openai") == []
+    assert check_input(list_shards([str(EXAMPLE)], "openai"), row_spec(fmt="openai")) == []
 
 
 # --------------------------------------------------------------------------

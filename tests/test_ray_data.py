@@ -296,6 +296,7 @@ def test_generate_through_a_local_ray_cluster(tmp_path, tiny_dir):
         assert r["label"] == 10 * int(r["id"][1:]) and r["chars"] == len(r["text"])
 
 
+@pytest.mark.slow
 def test_the_repository_root_on_sys_path_does_not_hide_transformers_kernels():
     """A Ray worker's sys.path holds the driver's working directory. Started in the repository, with
     transformers imported before anything of ours, it must still see the PyPI package `kernels` (or,

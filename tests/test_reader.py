@@ -14,10 +14,12 @@ from spin_batch.io import checks, reader
 from spin_batch.io import shards as shards_module
 from spin_batch.io.checks import check_columns, check_input
 from spin_batch.io.reader import iter_requests
+from spin_batch.io.rows import row_spec
 from spin_batch.io.shards import (InputError, assign, count_rows, list_shards, shard_defaults_from_env,
                                   worker_sources)
 from spin_batch.records import NO_PARAMS, Request, RowParams
 
+from conftest import spec_of
 from test_cli_e2e import _isolate_process_state  # noqa: F401  (autouse: a real run below installs signal handlers)
 
 # --------------------------------------------------------------------------
@@ -52,7 +54,7 @@ def prompts_file(path: Path, start: int, count: int) -> Path:
 
 def all_requests(path_or_paths, **kwargs) -> list[Request]:
     paths = path_or_paths if isinstance(path_or_paths, list) else [path_or_paths]
-    return list(iter_requests(list_shards([str(p) for p in paths]), **kwargs))
+    return list(iter_requests(list_shards([str(p) for p in paths]), spec_of(kwargs), **kwargs))
 
 
 # --------------------------------------------------------------------------
@@ -298,17 +300,17 @@ def test_jsonl_columns_checked_from_the_first_rows(tmp_path: Path) -> None:
     check_columns(shards)  # fine as it is
     with pytest.raises(InputError, match=r"a.jsonl: needs a prompt column 'promt' or a messages column 'messages': "
                                          r"none of its first 99 rows has it \(fields: id, prompt\)"):
-        check_columns(shards, prompt_column="promt")
+        check_columns(shards, row_spec(prompt_column="promt"))
     with pytest.raises(InputError, match="missing id column 'uid'"):
-        check_columns(shards, id_column="uid")
+        check_columns(shards, row_spec(id_column="uid"))
     # a field that only later rows have is not looked for past the first rows
     late = write_jsonl(tmp_path / "late.jsonl", [{"id": "x", "messages": None}] * 3 + [{"id": "y", "prompt": "p"}])
     check_columns([late.resolve()], jsonl_rows=4)
     with pytest.raises(InputError, match="none of its first 3 rows"):
-        check_columns([late.resolve()], jsonl_rows=3, messages_column="chat")
+        check_columns([late.resolve()], row_spec(messages_column="chat"), jsonl_rows=3)
     # nothing to judge by: no JSON objects among the first rows
     junk = write_jsonl(tmp_path / "junk.jsonl", [b"[1]", b"{bad"])
-    check_columns([junk.resolve()], prompt_column="promt")
+    check_columns([junk.resolve()], row_spec(prompt_column="promt"))
 
 
 def test_parquet_rows_and_custom_columns(tmp_path: Path) -> None:
@@ -350,7 +352,8 @@ def test_a_row_with_both_prompt_and_messages_is_an_error_row(tmp_path: Path) -> 
         assert not both.ok and both.messages is None and both.prompt is None
         assert both.error == "row has both 'prompt' and 'messages'; give one of them (the other null or absent)"
         assert one.ok and one.messages == tuple(chat)
-    ray = reader.requests_from_rows([{"id": "e", "text": "x", "chat": chat}], prompt_column="text", messages_column="chat")
+    ray = reader.requests_from_rows([{"id": "e", "text": "x", "chat": chat}],
+                                    row_spec(prompt_column="text", messages_column="chat"))
     assert ray[0].error.startswith("row has both 'text' and 'chat'")
 
 
@@ -368,6 +371,25 @@ def test_params_column_jsonl_and_parquet(tmp_path: Path) -> None:
         got = all_requests(path, params_column="sampling")
         assert [r.params for r in got] == expected and all(r.ok for r in got)
         assert all(r.params == NO_PARAMS for r in all_requests(path))  # not read unless named
+
+
+def test_a_jobs_input_spec_is_read_whole(tmp_path: Path) -> None:
+    """One Spec from the job (io.rows.input_spec) carries every input option: the columns, the params
+    column, the kept columns and the format; run, validate, bench and distill all read with it, so a
+    row has the same params and digest in each (bench and distill once passed the three columns alone)."""
+    from spin_batch.config import parse_job
+    from spin_batch.io.rows import input_spec
+
+    path = write_jsonl(tmp_path / "p.jsonl", [{"key": "a", "text": "x", "sampling": {"max_tokens": 5}, "topic": "t"}])
+    job = parse_job({"input": {"paths": [str(path)], "id_column": "key", "prompt_column": "text",
+                               "params_column": "sampling", "format": "jsonl"},
+                     "output": {"dir": str(tmp_path / "out"), "keep_columns": ["topic"]}})
+    spec = input_spec(job.input, job.output.keep_columns)
+    assert spec == row_spec("key", "text", "messages", "sampling", ["topic"], "jsonl")
+    (req,) = iter_requests([path], spec)
+    assert req.ok and req.id == "a" and req.params == RowParams(max_tokens=5) and req.keep == {"topic": "t"}
+    (bare,) = iter_requests([path], row_spec("key", "text"))  # the columns alone: no params, another digest
+    assert bare.params == NO_PARAMS and bare.digest != req.digest
 
 
 @pytest.mark.parametrize("value, message", [
@@ -403,7 +425,7 @@ def test_a_parquet_shard_without_the_params_column_is_an_input_error(tmp_path: P
     with pytest.raises(InputError, match=r"missing params column 'sampling' \(input.params_column\)"):
         all_requests(path, params_column="sampling")
     with pytest.raises(InputError, match="missing params column"):
-        check_columns([path.resolve()], params_column="sampling")
+        check_columns([path.resolve()], row_spec(params_column="sampling"))
 
 
 def test_keep_columns_jsonl(tmp_path: Path) -> None:
@@ -694,6 +716,7 @@ def test_reader_module_exports() -> None:
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_row_dealt_worker_killed_and_resumed_writes_each_row_once(tmp_path: Path, tiny_dir: Path) -> None:
     """3 workers over one file (rows dealt): worker 1 is killed with SIGKILL part way and rerun; with
     workers 0 and 2 every row is written once, worker 1 wrote exactly its dealt rows."""
@@ -701,7 +724,8 @@ def test_a_row_dealt_worker_killed_and_resumed_writes_each_row_once(tmp_path: Pa
     import signal
     import subprocess
 
-    from test_cli_e2e import (RESUME_SECTIONS, _describe, cli_command, invoke, make_job, part_files, prompt_rows,
+    from conftest import make_job
+    from test_cli_e2e import (RESUME_SECTIONS, _describe, cli_command, invoke, part_files, prompt_rows,
                               read_rows, wait_for_parts)
 
     rows = prompt_rows(90)

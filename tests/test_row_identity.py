@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import write_jsonl
+from conftest import make_job, spec_of, write_jsonl
 from spin_batch.io.identity import request_key
 from spin_batch.io.outputs import read_output_table, read_written
 from spin_batch.io.reader import iter_requests
@@ -24,7 +24,7 @@ from spin_batch.io.schema import OutputError, completion_row, error_row
 from spin_batch.io.writer import OutputWriter
 from spin_batch.records import Completion
 from test_cli_e2e import _isolate_process_state  # noqa: F401 (autouse: signal handlers, SLURM_*, threads)
-from test_cli_e2e import _describe, invoke, make_job, part_files, prompt_rows, read_rows, read_summary, run_ok
+from test_cli_e2e import _describe, invoke, part_files, prompt_rows, read_rows, read_summary, run_ok
 
 SECTIONS = {"sampling": {"max_tokens": 2}, "output": {"rows_per_part": 4}}
 
@@ -225,7 +225,7 @@ def test_parts_without_a_digest_keep_resuming_and_a_move_replaces_their_rows(tmp
 
 
 def keys_by_id(path: Path, **kw) -> dict:
-    return {r.id: (request_key(r), r.digest) for r in iter_requests([path], **kw)}
+    return {r.id: (request_key(r), r.digest) for r in iter_requests([path], spec_of(kw), **kw)}
 
 
 def test_the_digest_covers_prompt_messages_params_and_an_openai_body_only(tmp_path):

@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 from spin_batch import report, runner
 
 from conftest import write_jsonl
-from test_cli_e2e import _isolate_process_state, make_job, prompt_rows, run_ok  # noqa: F401
+from conftest import make_job
+from test_cli_e2e import _isolate_process_state, prompt_rows, run_ok  # noqa: F401
 
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
 

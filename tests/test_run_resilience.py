@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 
 from conftest import write_jsonl
 from test_cli_e2e import _isolate_process_state  # noqa: F401 (autouse: signal handlers, SLURM_*, threads)
-from test_cli_e2e import (_describe, assert_each_id_once, invoke, make_job, part_files, prompt_rows, read_rows,
+from conftest import make_job
+from test_cli_e2e import (_describe, assert_each_id_once, invoke, part_files, prompt_rows, read_rows,
                           read_summary, run_ok)
 
 

@@ -20,7 +20,7 @@ from spin_batch.io.schema import OUTPUT_SCHEMA, completion_row
 from spin_batch.io.writer import OutputWriter
 from spin_batch.records import Completion
 
-from conftest import write_jsonl
+from conftest import spec_of, write_jsonl
 
 BASE = "input: {paths: p.jsonl}\noutput: {dir: out}\n"
 
@@ -104,7 +104,7 @@ def test_a_merge_may_be_overridden(tmp_path):
 
 
 def _one(rows: list[dict], **kw):
-    return requests_from_rows(rows, **kw)
+    return requests_from_rows(rows, spec_of(kw), **kw)
 
 
 @pytest.mark.parametrize("role", ["system", "developer", "user", "assistant", "tool"])
@@ -173,7 +173,8 @@ def test_values_parquet_cannot_store_are_stored_as_json_text(tmp_path):
 def test_every_kept_row_of_a_job_is_written(tmp_path, tiny_dir):
     """The issue's case: one row with an empty-string key among 13; every run exited 1 at each flush."""
     from test_cli_e2e import _isolate_process_state  # noqa: F401
-    from test_cli_e2e import make_job, prompt_rows, run_ok
+    from conftest import make_job
+    from test_cli_e2e import prompt_rows, run_ok
 
     rows = prompt_rows(13)
     rows[4] = {**rows[4], "": "x"}
@@ -207,7 +208,8 @@ def test_renamed_columns_never_collide_across_rows():
 
 def test_a_row_text_never_lands_in_another_rows_input_text_column(tmp_path, tiny_dir):
     from test_cli_e2e import _isolate_process_state  # noqa: F401
-    from test_cli_e2e import make_job, read_rows, run_ok
+    from conftest import make_job
+    from test_cli_e2e import read_rows, run_ok
 
     rows = [{"id": "a", "prompt": "the quick brown fox", "text": "a's text"},
             {"id": "b", "prompt": "list three colours", "input_text": "b's input_text"}]

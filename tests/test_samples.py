@@ -27,7 +27,8 @@ from spin_batch.sampling import SamplingParams
 from spin_batch.selection.fixed import NoSpeculation
 
 from conftest import build_tiny_model, write_jsonl
-from test_cli_e2e import _isolate_process_state, make_job, read_rows, run_ok  # noqa: F401
+from conftest import make_job
+from test_cli_e2e import _isolate_process_state, read_rows, run_ok  # noqa: F401
 
 PROMPT = "once upon a time there was"
 SIGMAS = 5.0  # per-token bound, as in test_verify.py: |freq - p| < 5 sqrt(p (1 - p) / N)

@@ -18,7 +18,8 @@ from spin_batch.selection.factory import make_policy
 from spin_batch.selection.fixed import NoSpeculation
 
 from conftest import Cycle, write_jsonl
-from test_cli_e2e import (_isolate_process_state, assert_each_id_once, make_job, part_files, prompt_rows,  # noqa: F401
+from conftest import make_job
+from test_cli_e2e import (_isolate_process_state, assert_each_id_once, part_files, prompt_rows,  # noqa: F401
                           run_ok, start_run, wait_for_parts)
 from test_spec_equality import early_exit_1, make_loop, ngram, other_model_factory, random_drafter, run, self_model
 from test_tree_loop import TreeShapes, random_trees, watch_plans

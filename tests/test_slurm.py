@@ -18,7 +18,9 @@ import pytest
 from spin_batch.fingerprint import WORKERS_FILE, WorkersChanged, check_workers
 from spin_batch.io.shards import InputError, resolve_workers, shard_defaults_from_env
 
-from test_cli_e2e import (_isolate_process_state, _three_shards, assert_each_id_once, invoke, make_job,  # noqa: F401
+from conftest import make_job
+
+from test_cli_e2e import (_isolate_process_state, _three_shards, assert_each_id_once, invoke, # noqa: F401
                           read_rows, run_ok)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,6 +155,7 @@ def _calls(log: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
+@pytest.mark.slow
 def test_the_script_runs_a_redone_task_as_worker_2_of_4(fake_slurm):
     work, env, log = fake_slurm
     proc = subprocess.run(["bash", str(SCRIPT)], cwd=work, env=env, capture_output=True, text=True, timeout=60)
@@ -189,6 +192,7 @@ def _start_waiting(work: Path, env: dict, ready: Path) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow
 def test_the_time_limit_signal_stops_spin_batch_and_requeues_the_task(fake_slurm):
     work, env, log = fake_slurm
     proc = _start_waiting(work, env, log.parent / "ready")
@@ -209,6 +213,7 @@ def test_the_time_limit_signal_stops_spin_batch_and_requeues_the_task(fake_slurm
     assert "sbatch --array=2" in err
 
 
+@pytest.mark.slow
 def test_preemption_or_scancel_stops_spin_batch_without_a_requeue_of_its_own(fake_slurm):
     work, env, log = fake_slurm
     proc = _start_waiting(work, env, log.parent / "ready")

@@ -198,7 +198,7 @@ def c_model(request, tiny_dir, tiny_qwen_dir):
     plan, which, dtype = request.param
     m = load_model(tiny_qwen_dir if which == "qwen2" else tiny_dir, dtype, torch.device("cpu"),
                    plan=execution.forced(plan))
-    if not m.c_attention or (plan == "c" and m.c_decoder is None):
+    if m.plan.attention != "c" or (plan == "c" and m.c_decoder is None):
         pytest.skip(f"the {plan} path does not build or apply here")
     return m
 

@@ -18,6 +18,7 @@ import torch
 
 from ..config import parse_job
 from ..io.reader import iter_requests
+from ..io.rows import input_spec
 from ..io.shards import list_shards
 from ..io.outputs import read_outputs
 from ..models.distilled import normalize
@@ -101,8 +102,7 @@ def sequences(job, out_dir: Path, tokenizer, encode, eos_id: int | None) -> tupl
         outputs["status"]) if st == "ok"}
     kinds = kinds_by_id(shards)
     seqs, plens, ks = [], [], []
-    for req in iter_requests(shards, id_column=job.input.id_column, prompt_column=job.input.prompt_column,
-                             messages_column=job.input.messages_column):
+    for req in iter_requests(shards, input_spec(job.input, job.output.keep_columns)):
         found = done.get((req.id, req.digest)) or done.get(req.source)
         if not req.ok or found is None:
             continue

@@ -17,8 +17,8 @@ The confidence floor reaches the members that honour it (`gates`), the tree budg
 trees, and the cascade is gated when any member is: a lookup in front of the target's int8 copy, which
 drafts ungated chains (docs/trees.md), keeps its gate, and the copy drafts what the lookup does not
 cover at the length the policy asked.
-Ungated (the floor of every drafter that does not honour it is 0), the lookup took every match it had:
-fixed:ngram-int8 at 1 slot accepted 56% of its draft tokens.
+Ungated (the floor of every drafter that does not honour it is 0), the lookup took every match it had,
+and a cascade accepted few of its draft tokens.
 
 The cascade proposes what one member proposed, with that member's q (None for a lookup), so
 it is exactly as lossless as its members. Members are configured drafters too: the loop admits

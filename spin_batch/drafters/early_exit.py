@@ -10,7 +10,7 @@ overwritten by the verify forward, which covers the same positions with all laye
 from __future__ import annotations
 
 from ..models.cache import KVCache
-from ..models.llama import LlamaModel
+from ..models.protocol import TargetModel
 from .base import DraftRequest
 from .model import ModelDrafter
 
@@ -24,8 +24,8 @@ def check_layers(layers: int, num_layers: int) -> str | None:
 class EarlyExitDrafter(ModelDrafter):
     kind = "early_exit"
 
-    def __init__(self, name: str, target: LlamaModel, target_cache: KVCache, layers: int | None,
-                 model: LlamaModel | None = None, lookahead: int = 0):
+    def __init__(self, name: str, target: TargetModel, target_cache: KVCache, layers: int | None,
+                 model: TargetModel | None = None, lookahead: int = 0):
         """layers None: all of them; model: the target by default, or a copy of its first layers with
         other weights (LlamaModel.int8_copy); lookahead: guessed tokens per forward (model.py)."""
         problem = None if layers is None else check_layers(layers, target.spec.num_layers)

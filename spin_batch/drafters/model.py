@@ -7,14 +7,12 @@ L layers and the target's cache.
 
 Lookahead: a chain's forward may also check tokens guessed from the text, the draft of a draft. At one
 slot a draft model reads all of its weights for each token it drafts, however few rows it feeds, so a
-forward that feeds k guesses after its real token costs little more than one that does not (the int8
-copy of the 135M target: 4.1 ms for 1 row, 5.9 ms for 4). Each guess the draft's own pick confirms is
-one more draft token from the same forward. The guesses are a prompt lookup's: what followed the latest
-earlier occurrence of the last 3, 2 or 1 tokens, committed and drafted (ngram.py). On the demo job's
-greedy outputs (32 prompts) such a match existed at 61% of positions, and it matched 0.58 of 3 guessed
-tokens on average. The proposal does not change: every draft token is still the draft's own pick from a
-row whose inputs are the committed tokens and its earlier picks; a guess row the pick did not confirm
-holds K/V the next forward overwrites. Sampling requests get no guesses (their draws would depend on
+forward that feeds k guesses after its real token costs little more than one that does not (docs/trees.md,
+"Lookahead", has the measurements). Each guess the draft's own pick confirms is one more draft token from
+the same forward. The guesses are a prompt lookup's: what followed the latest earlier occurrence of the
+last 3, 2 or 1 tokens, committed and drafted (ngram.py). The proposal does not change: every draft token
+is still the draft's own pick from a row whose inputs are the committed tokens and its earlier picks; a
+guess row the pick did not confirm holds K/V the next forward overwrites. Sampling requests get no guesses (their draws would depend on
 which rows ran), and neither do drafts that read the target's features (a fed row needs the feature the
 draft predicted at the row before).
 """
@@ -29,6 +27,7 @@ from ..models.cache import KVCache
 from ..models.cpu_decoder import argmax
 from ..models.distilled import TargetFeatures
 from ..models.llama import LlamaModel
+from ..models.protocol import TargetModel
 from ..models.segments import Segments
 from .base import Drafter, DraftRequest, Proposal
 from .ngram import lookup_matches
@@ -41,7 +40,7 @@ class ModelDrafter(Drafter):
     trees = True
     lookahead = 0  # guessed tokens a chain's forward may check past its real one (see the module docstring)
 
-    def __init__(self, name: str, model: LlamaModel, cache: KVCache, num_layers: int | None = None):
+    def __init__(self, name: str, model: TargetModel, cache: KVCache, num_layers: int | None = None):
         super().__init__(name)
         self.model = model
         self.cache = cache
@@ -49,7 +48,7 @@ class ModelDrafter(Drafter):
         # A distilled draft's head covers a subset of the target vocabulary: row k is target id vocab_ids[k].
         self.vocab_ids = model.vocab_ids
         self.lens = [0] * cache.slots  # [slots] tokens of each slot held in this drafter's cache
-        self.trees = getattr(model, "tree_segments", True)  # a tree's later rounds are tree segments
+        self.trees = model.tree_segments  # a tree's later rounds are tree segments
 
     def on_admit(self, slot: int) -> None:
         self.lens[slot] = 0
@@ -92,8 +91,8 @@ class ModelDrafter(Drafter):
         conf = [1.0] * len(reqs)  # product of the draft's top probabilities along each chain
         first = True
         while live:
-            # Only a forward for one chain takes guesses: at 4 slots a row costs the int8 copy ~1 ms on a 7.7 ms
-            # forward (4.1 ms at 1 slot, +0.6 ms a row), and guesses there slowed fixed:self-int8 by 9%.
+            # Only a forward for one chain takes guesses: with several chains a fed row is no longer nearly free
+            # (docs/trees.md, "Lookahead").
             guesses = [self._guess(reqs[i], drafts[i]) if guessing and len(live) == 1 else [] for i in live]
             fed = [feeds[i] + g for i, g in zip(live, guesses)]
             seg = Segments.build([(reqs[i].slot, len(f), starts[i]) for i, f in zip(live, fed)], self.model.device)

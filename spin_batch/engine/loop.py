@@ -18,7 +18,7 @@ import torch
 
 from ..drafters.base import Drafter, DraftRequest, Proposal
 from ..models.cache import KVCache
-from ..models.llama import LlamaModel
+from ..models.protocol import TargetModel
 from ..models.segments import Segments
 from ..stats import RunStats, StepRecord
 from ..selection.policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
@@ -100,7 +100,7 @@ class Plan:
 class BatchLoop:
     def __init__(
         self,
-        target: LlamaModel,
+        target: TargetModel,
         tokenizer,
         settings: LoopSettings,
         policy: Policy,
@@ -124,7 +124,7 @@ class BatchLoop:
         self._features = list({id(d.features): d.features for d in self.drafters.values()
                                if d.features is not None}.values())
         # whether the target's forward verifies token-tree segments (the transformers backend does not)
-        self.tree_segments = getattr(target, "tree_segments", True)
+        self.tree_segments = target.tree_segments
         self.texts = TokenTexts(tokenizer)
         self.prefix = prefix_cache
         self.share = PrefillShare(prefix_cache, self.cache, self._features)
@@ -362,7 +362,7 @@ class BatchLoop:
         gens, sps, starts = [s.gen for s in served], [s.sp for s in served], [len(s.tokens) for s in served]
         if any(t is not None for t in plan.trees):
             return self._accept_trees(plan, drafts, probs, logits, gens, sps, starts)
-        kernels = getattr(self.target, "kernels", None) or None  # the Triton path (CUDA, or forced on)
+        kernels = self.target.kernels  # the Triton path (CUDA, or forced on), else None
         return accept_drafts(kernels, logits, drafts, probs, gens, sps, starts)
 
     @staticmethod

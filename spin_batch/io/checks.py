@@ -11,13 +11,12 @@ number).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..records import Request
 from .reader import check_positive, iter_shard, open_parquet, reads_openai
-from .rows import Row, column_problems, row_spec
+from .rows import Row, Spec, column_problems
 from .shards import DEFAULT_MAX_LINE_BYTES, InputError, file_format, jsonl_lines, open_binary
 
 __all__ = ["check_columns", "check_input"]
@@ -105,17 +104,14 @@ def _jsonl_fields(path: Path, rows: int, max_line_bytes: int) -> tuple[set[str],
     return names, seen
 
 
-def check_columns(shards: list[Path], *, id_column: str = "id", prompt_column: str = "prompt",
-                  messages_column: str = "messages", params_column: str | None = None,
-                  keep_columns: bool | str | Sequence[str] | None = False, fmt: str = "auto",
-                  jsonl_rows: int = 100, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
+def check_columns(shards: list[Path], spec: Spec = Spec(), *, jsonl_rows: int = 100,
+                  max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
     """Check the columns before a run starts rather than at the file: every Parquet shard's from its
     metadata (no rows read; the params column and the kept columns named must be there too), and
     for JSONL, which has no schema, the fields of the first ``jsonl_rows`` rows of the first plain
     JSONL shard (a configured column that none of them has, say a typo in input.prompt_column,
     would make every row an error row). OpenAI batch shards have no columns to check (validate
-    reports their bad lines). Raises InputError."""
-    spec = row_spec(id_column, prompt_column, messages_column, params_column, keep_columns, fmt)
+    reports their bad lines). spec: how rows are read (rows.Spec). Raises InputError."""
     first_jsonl = True
     for path in shards:
         path = Path(path).resolve()
@@ -124,8 +120,8 @@ def check_columns(shards: list[Path], *, id_column: str = "id", prompt_column: s
         elif first_jsonl and jsonl_rows > 0 and not reads_openai(path, spec, max_line_bytes):
             first_jsonl = False
             names, objects = _jsonl_fields(path, jsonl_rows, max_line_bytes)
-            problems = column_problems(sorted(names), id_column=id_column, prompt_column=prompt_column,
-                                       messages_column=messages_column)
+            problems = column_problems(sorted(names), id_column=spec.id, prompt_column=spec.prompt,
+                                       messages_column=spec.messages)
             if objects and problems:
                 shown = sorted(names)
                 listed = ", ".join(shown[:20]) + (f", ... ({len(shown)} in all)" if len(shown) > 20 else "")
@@ -138,13 +134,8 @@ def check_columns(shards: list[Path], *, id_column: str = "id", prompt_column: s
 
 def check_input(
     shards: list[Path],
+    spec: Spec = Spec(),
     *,
-    id_column: str = "id",
-    prompt_column: str = "prompt",
-    messages_column: str = "messages",
-    params_column: str | None = None,
-    keep_columns: bool | str | Sequence[str] | None = False,
-    fmt: str = "auto",
     max_rows_scanned: int | None = None,
     batch_rows: int = 1024,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
@@ -156,7 +147,7 @@ def check_input(
     bad row (a bad OpenAI batch line: its custom_id, method, url, body or a
     field of it), the count and the first example, with its line number for
     JSONL. Files are streamed; only the ids seen so far are kept in memory. An
-    empty list means the input is OK. The column options as for :func:`iter_requests`.
+    empty list means the input is OK. spec: how rows are read, as for :func:`iter_requests`.
 
     Args:
         max_rows_scanned: stop after this many rows in total (None: scan everything).
@@ -164,7 +155,6 @@ def check_input(
     check_positive("max_rows_scanned", max_rows_scanned, allow_none=True, minimum=0)
     if not shards:
         return ["no input files"]
-    spec = row_spec(id_column, prompt_column, messages_column, params_column, keep_columns, fmt)
     report = _InputReport()
     scanned = 0
     for path in shards:

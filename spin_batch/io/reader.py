@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from pathlib import Path
@@ -31,8 +31,7 @@ import pyarrow.parquet as pq
 from ..records import Request
 from .identity import duplicate_message, line_digest
 from .openai_request import openai_row
-from .rows import (BadRow, NotUtf8, Row, Spec, bad_row, build_row, column_problems, row_spec,
-                   type_name)
+from .rows import BadRow, NotUtf8, Row, Spec, bad_row, build_row, column_problems, type_name
 from .shards import (DEFAULT_MAX_LINE_BYTES, InputError, Wanted, assign, dealt, file_format, open_binary,
                      open_parquet_file, row_lines)
 
@@ -227,23 +226,14 @@ def _mark_duplicate(request: Request, seen_ids: set[str]) -> Request:
     return request
 
 
-def requests_from_rows(
-    rows: Iterable[Mapping[str, Any]],
-    *,
-    id_column: str = "id",
-    prompt_column: str = "prompt",
-    messages_column: str = "messages",
-    params_column: str | None = None,
-    keep_columns: bool | str | Sequence[str] | None = False,
-    source_prefix: str = "",
-) -> list[Request]:
+def requests_from_rows(rows: Iterable[Mapping[str, Any]], spec: Spec = Spec(), *,
+                       source_prefix: str = "") -> list[Request]:
     """Rows given as mappings (a batch handed over by Ray Data, say) -> requests, one per row.
 
     The same checks as for a shard's plain rows: a bad row becomes an error request, and a repeated
     id (within these rows) a "duplicate id" error. Row i's source is ``f"{source_prefix}#{i}"``.
-    ``params_column`` and ``keep_columns`` as for :func:`iter_requests`.
+    ``spec`` as for :func:`iter_requests` (its format is not read: these are plain rows).
     """
-    spec = row_spec(id_column, prompt_column, messages_column, params_column, keep_columns)
     seen: set[str] = set()
     return [_mark_duplicate(build_row(f"{source_prefix}#{i}", values, spec).request, seen)
             for i, values in enumerate(rows)]
@@ -259,13 +249,8 @@ def check_positive(name: str, value: int | None, *, allow_none: bool, minimum: i
 
 def iter_requests(
     shards: list[Path],
+    spec: Spec = Spec(),
     *,
-    id_column: str = "id",
-    prompt_column: str = "prompt",
-    messages_column: str = "messages",
-    params_column: str | None = None,
-    keep_columns: bool | str | Sequence[str] | None = False,
-    fmt: str = "auto",
     shard_index: int = 0,
     num_shards: int = 1,
     done_sources: AbstractSet[str] = frozenset(),
@@ -283,21 +268,22 @@ def iter_requests(
 
     Args:
         shards: shard paths, normally from :func:`list_shards`.
-        id_column, prompt_column, messages_column: input field names. A row
-            needs a non-null prompt or non-null messages; one with both is an
-            error row. Blank JSONL lines give no row. (Not used for OpenAI
-            batch lines: custom_id is the id, the body holds the prompt.)
-        params_column: a column whose value (an object, or null) holds the
-            row's own sampling settings (max_tokens, temperature, top_p, top_k,
-            stop, seed); a bad value makes the row an error row.
-        keep_columns: the input columns carried to the output row
-            (Request.keep; output.keep_columns): "all" (or True) every column
-            that is not the request's (for OpenAI lines: none, the body is the
-            request), a list those named (for OpenAI lines: top-level fields of
-            the line; a row that lacks one has it null), "none" (or False) none.
-        fmt: input.format. "auto" reads a JSONL shard as an OpenAI batch file
-            when its first JSON object line has a custom_id and a url or body;
-            "openai" reads every shard so; "jsonl" and "parquet" never do.
+        spec: how rows are read (rows.Spec: row_spec(), or input_spec() of a job):
+            id, prompt, messages: input field names. A row needs a non-null
+            prompt or non-null messages; one with both is an error row. Blank
+            JSONL lines give no row. (Not used for OpenAI batch lines: custom_id
+            is the id, the body holds the prompt.)
+            params: a column whose value (an object, or null) holds the row's
+            own sampling settings (max_tokens, temperature, top_p, top_k, stop,
+            seed); a bad value makes the row an error row.
+            keep: the input columns carried to the output row (Request.keep;
+            output.keep_columns): every column that is not the request's (for
+            OpenAI lines: none, the body is the request), those named (for
+            OpenAI lines: top-level fields of the line; a row that lacks one
+            has it null), or none.
+            format: input.format. "auto" reads a JSONL shard as an OpenAI batch
+            file when its first JSON object line has a custom_id and a url or
+            body; "openai" reads every shard so; "jsonl" and "parquet" never do.
         shard_index, num_shards: this worker's part of the input (see :func:`assign`).
         done_sources: sources already written by an earlier run; these rows are
             skipped. Their ids (when the row is valid) still count as seen, so
@@ -320,7 +306,6 @@ def iter_requests(
     check_positive("batch_rows", batch_rows, allow_none=False, minimum=1)
     check_positive("max_line_bytes", max_line_bytes, allow_none=False, minimum=1)
     files, row_modulo = assign(list(shards), shard_index, num_shards)
-    spec = row_spec(id_column, prompt_column, messages_column, params_column, keep_columns, fmt)
     seen = seen_ids if seen_ids is not None else set()
     if limit == 0:
         return

@@ -39,6 +39,7 @@ __all__ = [
     "column_problems",
     "kept_columns",
     "parse_messages",
+    "input_spec",
     "row_spec",
     "type_name",
     "unicode_text",
@@ -74,12 +75,20 @@ def _keep_spec(keep_columns: bool | str | Sequence[str] | None) -> bool | tuple[
     return tuple(keep_columns) or False
 
 
-def row_spec(id_column: str, prompt_column: str, messages_column: str, params_column: str | None = None,
-             keep_columns: bool | str | Sequence[str] | None = False, fmt: str = "auto") -> Spec:
+def row_spec(id_column: str = "id", prompt_column: str = "prompt", messages_column: str = "messages",
+             params_column: str | None = None, keep_columns: bool | str | Sequence[str] | None = False,
+             fmt: str = "auto") -> Spec:
     """The reader's options as a Spec; InputError for an unknown format, ValueError for bad keep_columns."""
     if fmt not in FORMATS:
         raise InputError(f"unknown input format {fmt!r}; expected one of {', '.join(FORMATS)}")
     return Spec(id_column, prompt_column, messages_column, params_column, _keep_spec(keep_columns), fmt)
+
+
+def input_spec(input_section, keep_columns: bool | str | Sequence[str] | None = False) -> Spec:
+    """A job's input section (config's InputConfig: id_column, prompt_column, messages_column,
+    params_column, format) with its output.keep_columns, as the one Spec every reader and check takes."""
+    return row_spec(input_section.id_column, input_section.prompt_column, input_section.messages_column,
+                    input_section.params_column, keep_columns, input_section.format)
 
 
 def column_problems(names: Sequence[str], *, id_column: str = "id", prompt_column: str = "prompt",

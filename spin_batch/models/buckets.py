@@ -82,7 +82,7 @@ class PaddedSegments:
 def padded_problem(model) -> str | None:
     """Why a model cannot run a bucket's forward from device tensors, or None: it needs the Triton kernels or the C
     attention (the torch attention plans its batch from host lists)."""
-    if model.kernels or model.c_decoder is not None or model.c_attention:
+    if model.kernels or model.c_decoder is not None or model.plan.attention == "c":
         return None
     return ("the device step runs on the Triton kernels (CUDA, or target.kernels: triton) or on the C kernels "
             "(target.kernels: c or auto on CPU); the torch attention path plans its batch on the host")

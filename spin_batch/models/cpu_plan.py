@@ -21,7 +21,8 @@ later runs (and the other tasks of a Slurm array on the same kind of node) read 
 
 The `c` path (target.kernels: c, or SPIN_BATCH_CPU_GEMM=on) forces `c` wherever the C decoder takes the
 model (and fails where the library cannot be built); `torch` (target.kernels: torch or triton, or
-SPIN_BATCH_CPU_GEMM=off) forces `torch`. Whatever was chosen, and why, is on the model
+SPIN_BATCH_CPU_GEMM=off) forces `torch`. model_plan() turns the choice into the model's whole plan
+(execution.ModelPlan), which the model reads; whatever was chosen, and why, is on the model
 (`LlamaModel.plan`), in summary.json and in `spin-batch env`.
 """
 
@@ -37,8 +38,8 @@ import torch
 
 from ..cachedir import cache_root, file_lock, write_atomic
 from . import cpu_decoder
-from .execution import LAYERS, TORCH, CpuPlan, Execution
-from .llama import LayerWeights, Linear, LlamaModel
+from .execution import LAYERS, NATIVE, TORCH, CpuPlan, Execution, ModelPlan
+from .llama import LayerWeights, Linear, LlamaModel, attention_shape
 from .segments import Segments
 
 CONTEXT = 256  # cached tokens per slot in the timed forwards
@@ -116,6 +117,14 @@ def plan(spec, dtype: torch.dtype, device: torch.device, loop: tuple[tuple[int, 
                                     f"context {CONTEXT}); kept in {path}", ms)
 
 
+def model_plan(spec, dtype: torch.dtype, device: torch.device, loop: tuple[tuple[int, int], ...] | None,
+               execution: Execution, cpu: CpuPlan | None = None) -> ModelPlan:
+    """The whole plan of a native model (execution.ModelPlan): its CPU path `cpu` where given (forced), else
+    plan()'s."""
+    cpu = cpu or plan(spec, dtype, device, loop, execution)
+    return ModelPlan.make(NATIVE, dtype, device, execution, cpu, attention_shape(spec))
+
+
 def _pick(ms: dict[str, float]) -> str:
     """The fastest candidate, except that `c` stays unless another beats it by more than C_MARGIN."""
     best = min(ms, key=ms.get)
@@ -164,9 +173,10 @@ def _time_layers(spec, dtype: torch.dtype, loop, candidates) -> dict[str, float]
     norm = torch.ones(C, dtype=dtype)
     models = {}
     for cand in candidates:
-        plan_ = CpuPlan(cand, "torch", "candidate")
+        plan_ = ModelPlan.make(NATIVE, dtype, torch.device("cpu"), cpu=CpuPlan(cand, "torch", "candidate"),
+                               heads=(H, KV, D))
         biases = {"qkv": bias, "o": o_bias}
-        lin = {k: Linear(v, biases.get(k), panel=plan_.c_linears) for k, v in w.items()}
+        lin = {k: Linear(v, biases.get(k), panel=plan_.linears) for k, v in w.items()}
         layer = LayerWeights(norm, lin["qkv"], lin["o"], norm, lin["gate_up"], lin["down"])
         models[cand] = LlamaModel(one, _random(64, C, dtype=dtype), [layer], norm, _random(64, C, dtype=dtype),
                                   max_len=CONTEXT + 32, plan=plan_)

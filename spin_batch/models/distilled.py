@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from . import cpu_plan
+from .execution import ModelPlan
 from .checkpoint import load_state_dict, read_spec
 from .llama import Linear, LlamaModel
 from .segments import Segments
@@ -141,7 +142,7 @@ def load_draft(draft_dir: Path, target: LlamaModel, dtype: torch.dtype, device: 
                embeds: dict[torch.dtype, torch.Tensor] | None = None,
                loop: tuple[tuple[int, int], ...] | None = None) -> LlamaModel:
     """An inference LlamaModel for a distilled draft, sharing the target's embedding tensor and running on
-    the target's kernels (its `execution`).
+    the target's kernels (its plan's `execution`), on its own CPU path (cpu_plan.model_plan).
 
     A feature-reading draft gets a `feature_head` (FeatureHead); a plain one a precomputed
     [K, C] lm_head, so one matmul scores the kept ids. `embeds` caches the target's embedding
@@ -171,12 +172,12 @@ def load_draft(draft_dir: Path, target: LlamaModel, dtype: torch.dtype, device: 
     # The target's head restricted to the kept ids, with its final norm weight folded in: [K, E].
     head_e = embed[vocab_ids].float() * target.norm.float()
     proj = sd["lm_head_proj.weight"].to(device=device, dtype=torch.float32)  # [E, C]
-    execution = target.execution
-    plan = cpu_plan.plan(replace(spec, vocab_size=len(vocab_ids)), dtype, torch.device(device), loop, execution)
-    model = LlamaModel(spec, embed, LlamaModel.layers_from_state_dict(spec, get, plan.c_linears),
+    plan: ModelPlan = cpu_plan.model_plan(replace(spec, vocab_size=len(vocab_ids)), dtype, torch.device(device), loop,
+                                          target.plan.execution)
+    model = LlamaModel(spec, embed, LlamaModel.layers_from_state_dict(spec, get, plan.linears),
                        get("model.norm.weight"), (head_e @ proj).to(dtype).contiguous(),
-                       embed_proj=get("model.embed_proj.weight"), vocab_ids=vocab_ids, plan=plan, execution=execution)
+                       embed_proj=get("model.embed_proj.weight"), vocab_ids=vocab_ids, plan=plan)
     if meta.get("reads_target_features"):
         model.feature_head = FeatureHead(proj.to(dtype).contiguous(), head_e.to(dtype).contiguous(),
-                                         panel=False if execution.cpu == "torch" else None)
+                                         panel=plan.projections)
     return model

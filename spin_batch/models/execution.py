@@ -17,7 +17,10 @@ the result can run here and makes the Execution; nothing below it reads the envi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
 
 from . import cpu_decoder
 
@@ -96,3 +99,70 @@ class CpuPlan:
 
 DEFAULT_C = CpuPlan("c", "c", "the C kernels, not measured (a model built outside the loader)")
 TORCH = CpuPlan("torch", "torch", "not on CPU")
+
+# -- the whole plan of one model --------------------------------------------------------------
+
+NATIVE, TRANSFORMERS = "native", "transformers"  # the backends a model runs on (target.backend)
+ATTENTION = ("triton", "c", "torch")
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """How one model runs, decided once when it is built (ModelPlan.make) and read by the model: which
+    kernels its attention, linears, LM head and norms run on. Nothing below re-derives it."""
+
+    backend: str  # NATIVE or TRANSFORMERS
+    device: torch.device
+    dtype: torch.dtype
+    execution: Execution  # the job's kernels (target.kernels and the environment's overrides)
+    cpu: CpuPlan  # the CPU path of the layers and the LM head (TORCH off CPU)
+    attention: str  # one of ATTENTION
+    linears: bool | None  # the layers' linears on the C GEMM (llama.Linear's panel: None where it applies)
+    lm_head: bool | None  # the LM head on the C GEMM, as `linears`
+    projections: bool | None  # embed_proj and a draft's feature head on the C GEMM, as `linears`
+    cuda_graphs: bool  # short forwards replayed from CUDA graphs
+    why: str  # what chose this path, for people
+    lib: ctypes.CDLL | None = field(default=None, repr=False, compare=False)  # the C library where it runs (CPU)
+
+    @property
+    def triton(self) -> bool:
+        return self.execution.triton
+
+    @property
+    def c_library(self) -> bool:
+        return self.lib is not None
+
+    @classmethod
+    def make(cls, backend: str, dtype: torch.dtype, device: torch.device, execution: Execution | None = None,
+             cpu: CpuPlan | None = None, heads: tuple[int, int, int] | None = None) -> "ModelPlan":
+        """The plan of a model of this dtype on device under the job's kernels (None: Execution(), a model
+        built outside the loader), with its CPU path `cpu` (cpu_plan.py; None: the C kernels wherever they
+        apply, TORCH off CPU or where the job says torch). heads (H, KV, D): the native decoder's attention
+        shape, which the C attention must take."""
+        execution = execution or Execution()
+        on_cpu = device.type == "cpu"
+        c_allowed = on_cpu and execution.cpu != "torch"
+        if backend == TRANSFORMERS:  # its attention runs on Triton or C, never a mix of both
+            c_allowed = c_allowed and not execution.triton
+        lib = cpu_decoder.library() if c_allowed else None
+        cpu = cpu or (DEFAULT_C if c_allowed else TORCH)
+        if execution.triton:
+            attention = "triton"
+        elif lib is not None and (backend == TRANSFORMERS or cpu.c_attention and heads is not None
+                                  and cpu_decoder.attention_applies(lib, dtype, *heads)):
+            attention = "c"
+        else:
+            attention = "torch"
+        measured = None if cpu is DEFAULT_C else cpu.c_linears
+        why = cpu.why if on_cpu else f"{device.type}: {'the Triton kernels' if execution.triton else 'torch'}"
+        return cls(backend, device, dtype, execution, cpu, attention, measured,
+                   None if cpu is DEFAULT_C else cpu.lm_head == "c", None if execution.cpu != "torch" else False,
+                   execution.cuda_graphs and device.type == "cuda" and execution.triton, why, lib)
+
+    def with_cpu(self, cpu: CpuPlan, heads: tuple[int, int, int] | None = None) -> "ModelPlan":
+        """This plan with another CPU path (an int8 copy of the model: quantize.INT8_C or TORCH)."""
+        return ModelPlan.make(self.backend, self.dtype, self.device, self.execution, cpu, heads)
+
+    def describe(self) -> dict:
+        """For summary.json's `backends`: the CPU plan (layers, lm_head, why, ...) and the job's kernels."""
+        return {**self.cpu.describe(), **self.execution.describe()}

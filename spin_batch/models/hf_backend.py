@@ -5,8 +5,8 @@ norms, final logit soft-capping, the LM head); only attention is ours: the model
 attn_implementation = hf_attention.ATTN_IMPLEMENTATION, and each forward passes a PackedPass down
 through model.forward's kwargs. A forward runs the flat tokens of the packed segments as a [1, N]
 batch with the segments' positions as position ids, so prefill chunks, decode tokens and verify runs
-share one call, as on the native decoder (llama.py). The loop and the drafters see the same interface:
-forward, allocate_cache, device, dtype, spec, backend().
+share one call, as on the native decoder (llama.py). The loop and the drafters see the same interface,
+protocol.TargetModel.
 
 Early exit (drafters.early_exit) runs the first L decoder layers, then the model's final norm and head:
 the decoder's layer list is cut to L for that forward.
@@ -22,16 +22,15 @@ from pathlib import Path
 import torch
 
 from .cache import KVCache
-from .execution import Execution
+from .execution import TRANSFORMERS, Execution, ModelPlan
 from .hf_arch import (ProbeResult, config_problem, context_problem, first_line, load_config, model_class_problem,
                       num_layers_of, position_limit, probe, probe_result)
-from . import cpu_decoder
 from .hf_attention import ATTN_IMPLEMENTATION, STATE_KWARG, PackedPass, register
 from .llama import Linear, triton_kernels
 from .segments import Segments
 from .spec import CheckpointError, UnsupportedModelError
 
-BACKEND = "transformers"
+BACKEND = TRANSFORMERS
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ class HfSpec:
 
 class TransformersModel:
     """A transformers causal LM whose attention runs on our packed segments and cache. Holds no
-    per-request state: caches are passed in, as to LlamaModel."""
+    per-request state: caches are passed in, as to LlamaModel. A protocol.TargetModel."""
 
     vocab_ids = None  # every logits row is its own token id (a distilled draft's head would map them)
     feature_head = None  # no target-feature drafts on this backend
@@ -60,19 +59,18 @@ class TransformersModel:
         self.hf = hf
         self.spec = spec
         self.features = probed.features
-        self.execution = execution or Execution()
         self.device = next(hf.parameters()).device
         self.dtype = next(hf.parameters()).dtype
+        self.plan = ModelPlan.make(TRANSFORMERS, self.dtype, self.device, execution)
         self.position_limit = position_limit
         # the Triton kernels (CUDA) for attention's plain causal path and for acceptance (the loop reads .kernels)
-        self.kernels = triton_kernels(self.execution)
+        self.kernels = triton_kernels(self.plan)
         self._keeps_rows = "logits_to_keep" in inspect.signature(hf.forward).parameters
         self._layers = _layer_list(hf, spec.num_layers)
-        # On CPU (unless the job asks for torch's path): the C kernels the native decoder uses, for every
-        # nn.Linear (panel GEMMs, or oneDNN's prepacked ones) and for plain causal attention (KV write + attend).
-        on_c = self.device.type == "cpu" and self.kernels is None and self.execution.cpu != "torch"
-        self.cpu_lib = cpu_decoder.library() if on_c else None
-        self.c_linears = swap_linears(hf) if self.cpu_lib is not None else 0
+        # Where the plan has the C library (CPU, not torch's path, not Triton): the C kernels the native decoder
+        # uses, for every nn.Linear (panel GEMMs, or oneDNN's prepacked ones) and for plain causal attention.
+        self.cpu_lib = self.plan.lib
+        self.c_linears = swap_linears(hf) if self.plan.c_library else 0
 
     # -- construction -------------------------------------------------------------------
 
@@ -123,10 +121,10 @@ class TransformersModel:
             "backend": BACKEND,
             "transformers": __version__,
             "model_class": type(self.hf).__name__,
-            "attention": "triton" if self.kernels is not None else "c" if self.cpu_lib is not None else "torch",
+            "attention": self.plan.attention,
             "c_linears": self.c_linears,
             "attention_features": sorted(self.features),
-            **self.execution.describe(),
+            **self.plan.execution.describe(),
         }
 
     def allocate_cache(self, slots: int, max_len: int, num_layers: int | None = None) -> KVCache:
@@ -165,6 +163,14 @@ class TransformersModel:
         if rows is not None and not self._keeps_rows:
             logits = logits[rows]
         return logits.float()
+
+    def forward_with_hidden(self, tokens: torch.Tensor, seg: Segments, cache: KVCache,
+                            logits_rows: torch.Tensor | list[int] | None = None,
+                            num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Refused: the drafts that read a target's features run next to a native target only (build.py
+        refuses the pairing before any forward)."""
+        raise UnsupportedModelError("the target's features (a distilled draft that reads them) need the native "
+                                    "backend")
 
     @contextlib.contextmanager
     def _first_layers(self, layers: int):

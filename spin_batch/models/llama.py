@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from . import cpu_decoder, cuda_graphs
 from .attention import AttentionPlan, attention
 from .cache import KVCache
-from .execution import DEFAULT_C, TORCH, CpuPlan, Execution
+from .execution import NATIVE, TORCH, ModelPlan
 from .quantize import INT8_C, RescoredHead, fake_quantize_groups, quantize_rows
 from .segments import Segments
 from .spec import (EMBED_TENSOR, HEAD_TENSOR, CheckpointError, ModelSpec, UnsupportedModelError, expected_tensors,
@@ -46,10 +46,10 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def triton_kernels(execution: Execution):
-    """spin_kernels (the Triton kernels) where the job runs on them (execution.py), else None. Imported
-    only then: importing Triton costs start-up time."""
-    if not execution.triton:
+def triton_kernels(plan: ModelPlan):
+    """spin_kernels (the Triton kernels) where the model's plan runs on them (execution.py), else None.
+    Imported only then: importing Triton costs start-up time."""
+    if not plan.triton:
         return None
     import spin_kernels
 
@@ -83,9 +83,9 @@ def _say_once(key: str, message: str) -> None:
 class Linear:
     """x [N, in] -> x @ weight[out, in]^T (+ bias) -> [N, out].
 
-    On CPU, with panel=True (the model's plan chose the C path, see cpu_plan.py), float32 and bfloat16
-    weights go to our panel GEMM (cpu_decoder.py): it streams them near memory speed at the loop's batch
-    sizes and keeps each row's result independent of the batch. Otherwise the weight is prepacked once
+    On CPU, with panel=True (the model's plan chose the C path, see execution.ModelPlan and cpu_plan.py),
+    float32 and bfloat16 weights go to our panel GEMM (cpu_decoder.py): it streams them near memory speed at
+    the loop's batch sizes and keeps each row's result independent of the batch. Otherwise the weight is prepacked once
     into oneDNN's blocked layout where oneDNN takes its dtype on this CPU, and runs on torch's F.linear
     where it does not (bfloat16 without AVX-512: slower, but it runs; said once). Other devices use
     F.linear. panel=None: the C path wherever it applies.
@@ -155,7 +155,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class LlamaModel:
-    """Weights plus the packed forward. Holds no per-request state: caches are passed in."""
+    """Weights plus the packed forward. Holds no per-request state: caches are passed in. A
+    protocol.TargetModel."""
+
+    tree_segments = True  # the forward verifies token-tree segments (ancestor masks)
 
     def __init__(
         self,
@@ -168,16 +171,12 @@ class LlamaModel:
         embed_proj: torch.Tensor | None = None,  # [C, E]: embeddings of width E projected to C
         quantize: bool = False,  # the LM head in int8 (Linear); the layers' linears say their own
         vocab_ids: torch.Tensor | None = None,  # [K] long: target id of each lm_head row
-        plan: CpuPlan | None = None,  # the CPU path (cpu_plan.py); None: the C kernels wherever they apply
-        execution: Execution | None = None,  # the job's kernels (execution.py); None: Execution()
+        plan: ModelPlan | None = None,  # how it runs (execution.py); None: ModelPlan.make's default
     ):
         self.spec = spec
-        self.execution = execution or Execution()
-        on_cpu = embed.device.type == "cpu"
-        self.plan = plan or (DEFAULT_C if on_cpu and self.execution.cpu != "torch" else TORCH)
+        self.plan = plan or ModelPlan.make(NATIVE, embed.dtype, embed.device, heads=attention_shape(spec))
         self.embed = embed
-        c_gemm = False if self.execution.cpu == "torch" else None  # else the C GEMM wherever it applies
-        self.embed_proj = None if embed_proj is None else Linear(embed_proj, panel=c_gemm)
+        self.embed_proj = None if embed_proj is None else Linear(embed_proj, panel=self.plan.projections)
         self.vocab_ids = vocab_ids
         self.feature_head = None  # a FeatureHead (models/distilled.py) for drafts that read target features
         # The residual stream and the RMS norms run in float32 whatever the weights' dtype: in
@@ -188,40 +187,37 @@ class LlamaModel:
         self.layers = layers
         self.norm = norm.float()
         self.lm_head = lm_head if not isinstance(lm_head, torch.Tensor) else Linear(
-            lm_head, panel=None if self.plan is DEFAULT_C else self.plan.lm_head == "c", quantize=quantize)
+            lm_head, panel=self.plan.lm_head, quantize=quantize)
         self.dtype = embed.dtype
         self.device = embed.device
-        self.kernels = triton_kernels(self.execution)  # Triton kernels, or None for the torch path
-        # CUDA graphs of the short (decode, verify) forwards on the Triton path, or None
-        graphs = self.execution.cuda_graphs and self.device.type == "cuda" and self.kernels is not None
-        self.graphs = cuda_graphs.StepGraphs(self) if graphs else None
-        # the C norm, or None
-        self.cpu_lib = cpu_decoder.library() if on_cpu and self.execution.cpu != "torch" else None
-        # The C attention (cpu_decoder.c) on CPU where the plan has it and it takes this model, else the torch path.
-        self.c_attention = self.cpu_lib is not None and self.plan.c_attention and cpu_decoder.attention_applies(
-            self.cpu_lib, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        self.kernels = triton_kernels(self.plan)  # Triton kernels, or None for the torch path
+        self.graphs = cuda_graphs.StepGraphs(self) if self.plan.cuda_graphs else None  # CUDA graphs of short forwards
+        self.cpu_lib = self.plan.lib  # the C library (norms, attention, the decoder), or None
         self._rope_len = 0
         self._ensure_rope(max_len or min(spec.max_position_embeddings, 4096))
-        # All layers in one C call per forward where every piece runs on the C kernels.
+        # All layers in one C call per forward where the attention is C's and every linear takes the C GEMM.
         self.c_decoder = None
-        if self.c_attention and cpu_decoder.Decoder.applies(self.cpu_lib, layers, self.dtype):
+        if self.plan.attention == "c" and cpu_decoder.Decoder.applies(self.cpu_lib, layers, self.dtype):
             self.c_decoder = cpu_decoder.Decoder(self.cpu_lib, layers, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
                                               head_dim=spec.head_dim, intermediate=spec.intermediate_size,
                                               eps=spec.rms_norm_eps, dtype=self.dtype)
+        # The forward's path, decided once: the C decoder, the Triton kernels, C attention or torch (hidden()).
+        self.path = "c_decoder" if self.c_decoder is not None else self.plan.attention
 
     def backend(self) -> dict:
         """The path this model runs on and why, for summary.json's `backends`: the CPU plan (layers, lm_head,
         why, ...) and the job's kernels (kernels, triton, cuda_graphs, any environment override)."""
-        return {**self.plan.describe(), **self.execution.describe()}
+        return self.plan.describe()
 
     # -- construction -------------------------------------------------------------------
 
     @classmethod
     def from_state_dict(
         cls, spec: ModelSpec, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str,
-        plan: CpuPlan | None = None, execution: Execution | None = None,
+        plan: ModelPlan | None = None,
     ) -> "LlamaModel":
-        """Raises CheckpointError unless sd holds exactly the tensors the spec reads (expected_tensors)."""
+        """Raises CheckpointError unless sd holds exactly the tensors the spec reads (expected_tensors).
+        plan: how it runs (None: ModelPlan.make's default for this dtype and device)."""
         problem = tensor_problem(spec, expected_tensors(spec, sd), sd)
         if problem:
             raise CheckpointError(problem)
@@ -235,8 +231,9 @@ class LlamaModel:
             spec.tie_word_embeddings and sd[EMBED_TENSOR].dtype == sd[HEAD_TENSOR].dtype
             and torch.equal(sd[EMBED_TENSOR], sd[HEAD_TENSOR]))
         head = embed if shared else get(HEAD_TENSOR)
-        layers = cls.layers_from_state_dict(spec, get, None if plan is None else plan.c_linears)
-        return cls(spec, embed, layers, get("model.norm.weight"), head, plan=plan, execution=execution)
+        plan = plan or ModelPlan.make(NATIVE, dtype, torch.device(device), heads=attention_shape(spec))
+        layers = cls.layers_from_state_dict(spec, get, plan.linears)
+        return cls(spec, embed, layers, get("model.norm.weight"), head, plan=plan)
 
     @staticmethod
     def layers_from_state_dict(spec: ModelSpec, get, panel: bool | None = None, quantize: bool = False,
@@ -273,15 +270,14 @@ class LlamaModel:
         def get(name: str) -> torch.Tensor:
             return state_dict[name].to(device=self.device, dtype=self.dtype)
 
-        # The C int8 GEMM wherever the job lets the CPU use C (target.kernels torch: off): int8 has no fast
-        # torch path, so this model's measured float32 plan does not apply.
-        c = self.device.type == "cpu" and self.execution.cpu != "torch" and cpu_decoder.library() is not None
-        layers = self.layers_from_state_dict(self.spec, get, c, quantize=True, num_layers=num_layers)
+        # The C int8 GEMM wherever this model's plan has the C library (target.kernels torch: not): int8 has no
+        # fast torch path, so this model's measured float32 plan does not apply.
+        plan = self.plan.with_cpu(INT8_C if self.plan.c_library else TORCH, attention_shape(self.spec))
+        layers = self.layers_from_state_dict(self.spec, get, plan.linears, quantize=True, num_layers=num_layers)
         head = get(HEAD_TENSOR if HEAD_TENSOR in state_dict else EMBED_TENSOR)
-        if c:  # the int4 head rescored in int8 (quantize.py), on float32 rows
-            head = RescoredHead(cpu_decoder.library(), head)
-        return LlamaModel(self.spec, self.embed, layers, self.norm, head, quantize=True,
-                          plan=INT8_C if c else TORCH, execution=self.execution)
+        if plan.c_library:  # the int4 head rescored in int8 (quantize.py), on float32 rows
+            head = RescoredHead(plan.lib, head)
+        return LlamaModel(self.spec, self.embed, layers, self.norm, head, quantize=True, plan=plan)
 
     def _ensure_rope(self, length: int) -> None:
         if length <= self._rope_len:
@@ -347,11 +343,11 @@ class LlamaModel:
         """
         s = self.spec
         layers = num_layers or s.num_layers
-        if self.c_decoder is not None and not self.kernels:
+        if self.path == "c_decoder":
             h = self._embed(tokens, extra).contiguous()
             return self.c_decoder(h, layers, seg.token_slots, seg.rows, self.cos32[seg.positions],
                                   self.sin32_signed[seg.positions], cache.k, cache.v, _tree_bits(seg))
-        if self.kernels:
+        if self.path == "triton":
             if self.graphs is not None:
                 h = self.graphs.hidden(tokens, seg, cache, layers, extra)
                 if h is not None:
@@ -359,7 +355,7 @@ class LlamaModel:
             trees = (seg.rows.to(self.device), _tree_bits(seg).to(self.device)) if seg.has_trees else (None, None)
             return self.kernel_hidden(self._embed(tokens, extra), seg.packed_index().to(self.device),
                                       max(seg.lengths(), default=0), cache, layers, *trees)
-        attend = self._c_attention(seg) if self.c_attention else self._torch_attention(seg, cache)
+        attend = self._c_attention(seg) if self.path == "c" else self._torch_attention(seg, cache)
         return self._layers(self._embed(tokens, extra), seg.positions, attend, cache, layers)
 
     def kernel_hidden(
@@ -450,6 +446,11 @@ class LlamaModel:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: [M, C] -> [M, V] float32."""
         return self.lm_head(self.normed(h, self.norm)).float()
+
+
+def attention_shape(spec: ModelSpec) -> tuple[int, int, int]:
+    """(heads, KV heads, head size): what the C attention must take (ModelPlan.make's `heads`)."""
+    return spec.num_heads, spec.num_kv_heads, spec.head_dim
 
 
 def _tree_bits(seg: Segments) -> torch.Tensor | None:

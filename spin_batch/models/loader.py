@@ -22,7 +22,7 @@ import torch
 
 from ..cachedir import cache_root, file_lock
 from . import cpu_decoder, cpu_plan
-from .execution import CHOICES, ENV_CPU, ENV_GRAPHS, ENV_TRITON, CpuPlan, Execution
+from .execution import CHOICES, ENV_CPU, ENV_GRAPHS, ENV_TRITON, NATIVE, TRANSFORMERS, CpuPlan, Execution
 from . import hf_arch, hub
 from .hf_backend import TransformersModel
 from .checkpoint import ModelNotFoundError, checkpoint_names, load_state_dict, read_spec
@@ -126,9 +126,6 @@ def builtin_name(spec: str) -> str | None:
     return name
 
 
-NATIVE, TRANSFORMERS = "native", "transformers"  # the backends a model runs on (target.backend)
-
-
 def resolve_backend(choice: str, model_dir: Path) -> str:
     """native or transformers for a model folder: `choice` (target.backend, or a model drafter's) unless it is
     auto; auto is native where the architecture is ours (spec.ModelSpec takes its config.json: Llama,
@@ -230,10 +227,11 @@ def load_model(model_dir: Path, dtype: str = "float32", device: str | torch.devi
                loop: tuple[tuple[int, int], ...] | None = None, plan: CpuPlan | None = None,
                execution: Execution | None = None, backend: str = NATIVE,
                trust_remote_code: bool = False) -> LlamaModel | TransformersModel:
-    """The model, on the job's kernels (`execution`, from resolve_execution; None: resolved here for
-    target.kernels auto) and, where they leave it to measurement, the CPU path measured fastest here for
-    the loop's forwards (cpu_plan.workloads()); on `plan` where given. Raises CheckpointError (naming the
-    folder) where the weights are unreadable or not those config.json's architecture reads.
+    """The model, on its plan (execution.ModelPlan, made here once): the job's kernels (`execution`, from
+    resolve_execution; None: resolved here for target.kernels auto) and, where they leave it to measurement,
+    the CPU path measured fastest here for the loop's forwards (cpu_plan.workloads()); on `plan` where given.
+    Raises CheckpointError (naming the folder) where the weights are unreadable or not those config.json's
+    architecture reads.
     backend (auto | native | transformers, resolve_backend): the transformers backend loads the folder with
     transformers (hf_backend.py), trusting code in it only with trust_remote_code."""
     if resolve_backend(backend, model_dir) == TRANSFORMERS:
@@ -242,9 +240,9 @@ def load_model(model_dir: Path, dtype: str = "float32", device: str | torch.devi
     sd = load_state_dict(model_dir)
     dev = torch.device(device) if isinstance(device, str) else device
     execution = execution or resolve_execution("auto", dev)
-    plan = plan or cpu_plan.plan(spec, DTYPES[dtype], dev, loop, execution)
+    model_plan = cpu_plan.model_plan(spec, DTYPES[dtype], dev, loop, execution, plan)
     try:
-        return LlamaModel.from_state_dict(spec, sd, DTYPES[dtype], dev, plan, execution)
+        return LlamaModel.from_state_dict(spec, sd, DTYPES[dtype], dev, model_plan)
     except CheckpointError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
 

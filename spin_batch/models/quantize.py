@@ -2,14 +2,13 @@
 
 A draft only proposes tokens: the target verifies every one, so a draft's precision changes how often
 its tokens are accepted, never the output. The target itself in int8 is such a draft: it agrees with the
-float32 target on about 96% of greedy tokens (the embedded model, docs/trees.md), reads a quarter of the
+float32 target on nearly every greedy token (docs/trees.md has the figures), reads a quarter of the
 bytes a decode step, and multiplies int8 by int8 (64 products an instruction with AVX512-VNNI).
 
 Weights: each output row gets one float32 scale, its largest magnitude over 127, and its weights round to
 the nearest int8 (symmetric; no zero point). Activations: each row of a linear's input is quantized when
 the linear runs, in groups of GROUP inputs, each group with its own scale the same way. One scale per
-whole row instead cost 4.5 points of agreement (91.8% against 96.1%, 16 demo prompts x 48 tokens): a few
-large inputs flatten the rest. The embedding stays the target's (a lookup reads one row a token); the
+whole row instead cost agreement (docs/trees.md): a few large inputs flatten the rest. The embedding stays the target's (a lookup reads one row a token); the
 layers' linears and the LM head are quantized. The copy shares the target's KV cache like any early-exit
 draft: cache rows before the proposal hold the target's own K/V. The copy is built by
 LlamaModel.int8_copy; Linear(quantize=True) holds each quantized weight, and runs on the C int8 GEMM
@@ -18,8 +17,7 @@ LlamaModel.int8_copy; Linear(quantize=True) holds each quantized weight, and run
 The LM head is a fifth of the copy's bytes, and a draft needs only its largest logits. On the C path it is
 a RescoredHead: int4 weights (a scale per output row and group of GROUP inputs) score every id at half the
 bytes, and each row's RESCORED best ids under them get the int8 head's exact logit. Int4 alone moved the
-copy's argmax often (agreement with the target 84.6% against 95.4%, 16 demo prompts x 48 tokens); with
-the best 8 rescored, the argmax was the int8 head's at every one of those positions (docs/trees.md).
+copy's argmax often; with the best few rescored, the argmax is the int8 head's (docs/trees.md).
 """
 
 from __future__ import annotations
