@@ -177,7 +177,10 @@ def problem(s: Structured) -> str | None:
         error = LLMatcher.validate_grammar(grammar_text(s))
     except (ValueError, TypeError) as e:
         error = str(e)
-    if not error:
-        return None
-    first = error.strip().splitlines()[0] if error.strip() else error
-    return f"the {s.kind} constraint does not compile: {first}"
+    return None if not error else f"the {s.kind} constraint does not compile: {one_line(error)}"
+
+
+def one_line(error: str, limit: int = 300) -> str:
+    """An engine's multi-line error message on one line, cut short."""
+    text = " ".join(part.strip() for part in error.strip().splitlines() if part.strip())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

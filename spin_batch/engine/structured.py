@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..grammars import Structured, grammar_text, problem
+from ..grammars import Structured, grammar_text, one_line, problem
 from ..sampling import SamplingParams
 
 
@@ -67,7 +67,7 @@ class Grammars:
         why = problem(s)
         if why is None:
             error = self._matcher(s).get_error()
-            why = f"the {s.kind} constraint does not compile: {error.strip().splitlines()[0]}" if error else None
+            why = f"the {s.kind} constraint does not compile: {one_line(error)}" if error else None
         return why
 
     def _matcher(self, s: Structured):
