@@ -144,7 +144,7 @@ class BatchLoop:
         self.slots[idx] = Slot(idx, req, len(prompt_ids), list(prompt_ids), sp, rule, gen, controls, ask=ask,
                                sample=sample, group=group, reuse_prefix=ask.prompt_logprobs is None)
         if (constraint := structured_of(self.cfg, req)) is not None:
-            self.slots[idx].grammar = self.grammars.open(constraint, rule.eos | rule.stop_ids)
+            self.slots[idx].grammar = self.grammars.open(constraint, rule.eos | rule.stop_ids, rule.min_tokens)
         for d in self.drafters.values():
             d.on_admit(idx)
         self.policy.on_admit(idx, req.id)

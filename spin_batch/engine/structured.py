@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..grammars import Structured, grammar_text, one_line, problem
@@ -49,7 +50,6 @@ class Grammars:
         self._compiled: dict[Structured, object] = {}
         self.mask_s = 0.0  # seconds in mask() (bitmask fills and their application)
         self.mask_rows = 0  # rows masked
-        self._table: torch.Tensor | None = None  # [256, 8] bool: a byte's bits
 
     @property
     def engine_tok(self):
@@ -77,29 +77,25 @@ class Grammars:
             self._compiled[s] = LLMatcher(self.engine_tok, grammar_text(s), log_level=0)
         return self._compiled[s]
 
-    def open(self, s: Structured, stops: frozenset[int]) -> GrammarState:
+    def open(self, s: Structured, stops: frozenset[int], min_tokens: int = 0) -> GrammarState:
         """A fresh state of constraint s for one request, whose own stop tokens are ``stops``."""
-        return GrammarState(self, self._matcher(s).deep_copy(), stops)
+        return GrammarState(self, self._matcher(s).deep_copy(), stops, min_tokens)
 
-    def bits(self) -> torch.Tensor:
-        if self._table is None:
-            self._table = (torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1 == 1
-        return self._table
-
-    def allowed(self, bitmask: torch.Tensor) -> torch.Tensor:
-        """[n, W] int32 bitmasks -> [n, V] bool, token i allowed where bit i % 32 of word i // 32 is set."""
-        n = bitmask.shape[0]
-        as_bytes = bitmask.contiguous().view(torch.uint8).long()  # [n, 4W], little-endian words
-        return self.bits()[as_bytes].reshape(n, -1)[:, : self.vocab]
+    def refused(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """[n, W] int32 bitmasks -> [n, V] bool, True where token i is refused (bit i % 32 of word i // 32 clear)."""
+        words = (~bitmask).contiguous().numpy().view(np.uint8)  # [n, 4W], little-endian words
+        return torch.from_numpy(np.unpackbits(words, axis=1, bitorder="little")[:, : self.vocab]).view(torch.bool)
 
 
 class GrammarState:
     """One request's matcher, at its committed tokens between steps."""
 
-    def __init__(self, grammars: Grammars, matcher, stops: frozenset[int]):
+    def __init__(self, grammars: Grammars, matcher, stops: frozenset[int], min_tokens: int = 0):
         self.g = grammars
         self.m = matcher
         self.stops = stops
+        self.min_tokens = min_tokens  # while fewer tokens are committed, the controls may mask the stops
+        self.committed = 0
         self.eos = grammars.engine_tok.eos_token
         self.stopped = False  # the grammar takes no more tokens: the request ends
 
@@ -140,18 +136,19 @@ class GrammarState:
         self._walk(prefixes, fill)
         if rows:
             idx = torch.tensor(rows)
-            allowed = self.g.allowed(bitmask[idx])  # [m, V]
+            refused = self.g.refused(bitmask[idx])  # [m, V]
             if self.stops and 0 <= self.eos < self.g.vocab:
-                ends = allowed[:, self.eos]  # where the grammar may end, the request's own stops may too
+                ends = ~refused[:, self.eos]  # where the grammar may end, the request's own stops may too
                 stops = torch.tensor(sorted(i for i in self.stops if 0 <= i < self.g.vocab), dtype=torch.long)
                 if len(stops):
-                    allowed[:, stops] |= ends[:, None]
-            allowed = allowed.to(out.device)
+                    refused[:, stops] &= ~ends[:, None]
+            refused = refused.to(out.device)
             idx = idx.to(out.device)
-            masked = out[idx].masked_fill(~allowed, -torch.inf)
-            dead = torch.isneginf(masked).all(dim=-1)
-            if bool(dead.any()):  # the controls left the grammar nothing (min_tokens at its end)
-                masked[dead] = raw[idx[dead]].to(out.dtype).masked_fill(~allowed[dead], -torch.inf)
+            masked = out[idx].masked_fill_(refused, -torch.inf)
+            if self.committed < self.min_tokens:  # min_tokens may have left the grammar nothing (at its end)
+                dead = torch.isneginf(masked).all(dim=-1)
+                if bool(dead.any()):
+                    masked[dead] = raw[idx[dead]].to(out.dtype).masked_fill(refused[dead], -torch.inf)
             out[idx] = masked
         self.g.mask_s += time.perf_counter() - t0
         self.g.mask_rows += len(rows)
@@ -159,6 +156,7 @@ class GrammarState:
     def advance(self, new: list[int]) -> list[int]:
         """A step's new tokens as committed: consumed by the grammar up to the token that stops it (the
         rest dropped, and ``stopped`` set) or up to a stop token of the request's (the loop stops there)."""
+        self.committed += len(new)
         for i, t in enumerate(new):
             if t in self.stops:
                 return new[: i + 1]
