@@ -27,7 +27,7 @@ from ..sampling import SamplingParams
 from .logprobs import NO_LOGPROBS, LogprobAsk, Scored, TokenTexts, prompt_rows, score_new_tokens, score_prompts
 from .controls import NO_CONTROLS, LogitControls, apply_controls, chain_prefixes, tree_prefixes
 from .settings import LoopSettings, refusal, request_settings, structured_of
-from .structured import GrammarState, Grammars, cut_proposal
+from .structured import GrammarState, Grammars, cut_proposal, mask_segments
 from .prefill_share import PrefillShare, SampleGroup, reuse_order, sample_generator
 from .prefix_cache import PrefixCache
 from .stopping import Stopping, StopRule
@@ -381,7 +381,7 @@ class BatchLoop:
         if not any(s.controlled for s in served):
             return logits
         out = logits.to(torch.float32, copy=True)
-        row = 0
+        row, constrained = 0, []
         for s, d, t in zip(served, drafts, trees):
             n = len(d) + 1
             if s.controlled:
@@ -389,8 +389,9 @@ class BatchLoop:
                 apply_controls(out[row : row + n], s.controls, s.sp.temperature, s.tokens[: s.prompt_len], s.generated,
                                prefixes, s.rule.min_tokens, s.rule.eos | s.rule.stop_ids)
                 if s.grammar is not None:  # the grammar state along each row's path (engine/structured.py)
-                    s.grammar.mask(out[row : row + n], logits[row : row + n], prefixes)
+                    constrained.append((s.grammar, row, prefixes))
             row += n
+        mask_segments(out, logits, constrained)
         return out
 
     @staticmethod

@@ -48,7 +48,7 @@ class Grammars:
         self.vocab = vocab
         self._engine_tok = None
         self._compiled: dict[Structured, object] = {}
-        self.mask_s = 0.0  # seconds in mask() (bitmask fills and their application)
+        self.mask_s = 0.0  # seconds in mask_segments() (bitmask fills and their application)
         self.mask_rows = 0  # rows masked
 
     @property
@@ -118,40 +118,27 @@ class GrammarState:
         if done:
             self.m.rollback(len(done))
 
-    def mask(self, out: torch.Tensor, raw: torch.Tensor, prefixes: Sequence[Sequence[int]]) -> None:
-        """Mask one segment's rows: out [n, V] float32 (the controlled rows, changed in place), raw [n, V]
-        (the target's rows), prefixes [n] the draft tokens before each row."""
-        t0 = time.perf_counter()
-        import llguidance.torch as lgt
+    def fill(self, bitmask: torch.Tensor, prefixes: Sequence[Sequence[int]]) -> int:
+        """Fill one segment's bitmask rows [n, W] int32 (all bits set on entry), row r with the state along
+        prefixes[r]; a row whose path the grammar refuses stays all set. Returns the rows filled."""
+        filled = 0
+        words = bitmask.shape[1]
 
-        n = out.shape[0]
-        bitmask = torch.full(((n, (self.g.vocab + 31) // 32)), -1, dtype=torch.int32)
-        rows: list[int] = []
-
-        def fill(r: int, ok: bool) -> None:
-            if ok:
-                lgt.fill_next_token_bitmask(self.m, bitmask, r)
-                rows.append(r)
+        def fill(r: int, whole: bool) -> None:
+            nonlocal filled
+            if whole:
+                self.m.unsafe_compute_mask_ptr(bitmask[r].data_ptr(), words * 4)
+                filled += 1
 
         self._walk(prefixes, fill)
-        if rows:
-            idx = torch.tensor(rows)
-            refused = self.g.refused(bitmask[idx])  # [m, V]
-            if self.stops and 0 <= self.eos < self.g.vocab:
-                ends = ~refused[:, self.eos]  # where the grammar may end, the request's own stops may too
-                stops = torch.tensor(sorted(i for i in self.stops if 0 <= i < self.g.vocab), dtype=torch.long)
-                if len(stops):
-                    refused[:, stops] &= ~ends[:, None]
-            refused = refused.to(out.device)
-            idx = idx.to(out.device)
-            masked = out[idx].masked_fill_(refused, -torch.inf)
-            if self.committed < self.min_tokens:  # min_tokens may have left the grammar nothing (at its end)
-                dead = torch.isneginf(masked).all(dim=-1)
-                if bool(dead.any()):
-                    masked[dead] = raw[idx[dead]].to(out.dtype).masked_fill(refused[dead], -torch.inf)
-            out[idx] = masked
-        self.g.mask_s += time.perf_counter() - t0
-        self.g.mask_rows += len(rows)
+        return filled
+
+    def allow_stops(self, refused: torch.Tensor) -> None:
+        """Where the grammar may end (its EOS not refused), the request's own stop tokens are allowed too."""
+        stops = sorted(i for i in self.stops if 0 <= i < refused.shape[1])
+        if stops and 0 <= self.eos < refused.shape[1]:
+            ends = ~refused[:, self.eos]
+            refused[:, torch.tensor(stops, dtype=torch.long)] &= ~ends[:, None]
 
     def advance(self, new: list[int]) -> list[int]:
         """A step's new tokens as committed: consumed by the grammar up to the token that stops it (the
@@ -184,6 +171,40 @@ class GrammarState:
         self._walk(paths, lambda r, whole: keep.append(r) if whole else None)
         new_index = {old: j for j, old in enumerate(keep)}
         return ([tokens[i] for i in keep], [new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep], keep)
+
+
+def mask_segments(out: torch.Tensor, raw: torch.Tensor,
+                  segments: Sequence[tuple[GrammarState, int, Sequence[Sequence[int]]]]) -> None:
+    """Mask the constrained segments' rows of a step at once: out [R, V] float32 (the controlled rows, changed
+    in place), raw [R, V] (the target's rows); segments: (state, first row, prefixes [n] of its n rows)."""
+    if not segments:
+        return
+    t0 = time.perf_counter()
+    g = segments[0][0].g
+    words = (g.vocab + 31) // 32
+    rows = torch.cat([torch.arange(r, r + len(p)) for _, r, p in segments])  # [M]
+    bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)  # a row left unfilled allows every token
+    filled, at = 0, 0
+    for state, _, prefixes in segments:
+        filled += state.fill(bitmask[at : at + len(prefixes)], prefixes)
+        at += len(prefixes)
+    refused = g.refused(bitmask)  # [M, V]
+    at = 0
+    for state, _, prefixes in segments:
+        state.allow_stops(refused[at : at + len(prefixes)])
+        at += len(prefixes)
+    refused, rows = refused.to(out.device), rows.to(out.device)
+    if len(rows) == out.shape[0]:
+        out.masked_fill_(refused, -torch.inf)
+    else:
+        out[rows] = out[rows].masked_fill_(refused, -torch.inf)
+    if any(state.committed < state.min_tokens for state, _, _ in segments):
+        # min_tokens may have left the grammar nothing at its end: such a row keeps the grammar's tokens, raw
+        dead = torch.isneginf(out[rows]).all(dim=-1)
+        if bool(dead.any()):
+            out[rows[dead]] = raw[rows[dead]].to(out.dtype).masked_fill(refused[dead], -torch.inf)
+    g.mask_s += time.perf_counter() - t0
+    g.mask_rows += filled
 
 
 def may_cut(sp: SamplingParams, has_q: bool) -> bool:
