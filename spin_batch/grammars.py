@@ -102,6 +102,8 @@ def structured_from(value: Any, where: str = "structured_outputs") -> Structured
     if not isinstance(value, Mapping):
         raise StructuredError(f"{where} must be an object with one of {', '.join(KINDS)}, got {_show(value)}")
     for key in value:
+        if key == "disable_any_whitespace" and value[key] in (True, None):
+            continue  # compact JSON is what spin-batch writes (JSON_OPTIONS)
         if key not in KINDS and key not in NEUTRAL_KEYS:
             raise StructuredError(f"{where}.{key} is not supported (spin-batch takes one of {', '.join(KINDS)})")
     given = [k for k in KINDS if value.get(k) is not None and value.get(k) is not False]

@@ -311,11 +311,17 @@ def test_a_bad_constraint_is_refused_at_admission_not_a_traceback(target):
     ({"json": "{not json"}, "not valid JSON"),
     ({"json": [1]}, "a JSON schema (an object)"),
     ({"whitespace_pattern": " "}, "whitespace_pattern is not supported"),
+    ({"choice": ["a"], "disable_any_whitespace": False}, "disable_any_whitespace is not supported"),
     ("a", "must be an object"),
 ])
 def test_malformed_structured_outputs_are_named(value, message):
     with pytest.raises(StructuredError, match=re.escape(message)):
         structured_from(value)
+
+
+def test_neutral_structured_outputs_keys_are_accepted():
+    got = structured_from({"choice": ["a"], "disable_fallback": True, "disable_any_whitespace": True})
+    assert got == Structured("choice", '["a"]')
 
 
 def test_the_job_constraint_applies_to_rows_without_their_own(target):
