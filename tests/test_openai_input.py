@@ -141,7 +141,7 @@ def test_stop_list_and_empty_list(tmp_path: Path) -> None:
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "body.messages[0].content[0] must be a text part"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "body.tools = "),
-    ({"response_format": {"type": "json_object"}}, 'body.response_format = {"type": "json_object"}'),
+    ({"response_format": {"type": "xml"}}, 'body.response_format must be {"type": "text"}'),
     ({"n": True}, "body.n must be an integer, got true"),  # a bool is not the number 1
     ({"reasoning_effort": "low"}, "body.reasoning_effort is not supported"),
     ({"prompt": "also"}, "body.prompt does not belong in this request: its endpoint reads body.messages"),

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..grammars import StructuredError, problem, structured_from
 from ..records import LOGPROBS_MODES, MAX_LOGPROBS, MAX_SAMPLES
 from .parsing import (
     BACKENDS,
@@ -295,6 +296,9 @@ class SamplingConfig:
     openai_defaults: Literal["model", "job"] = "model"
     n: int = 1  # samples per prompt, each its own output row (index 0 .. n - 1); the prompt is prefilled once
     sampler: str = "gumbel"  # gumbel: the same text whatever is drafted; rejection (docs/numerics.md)
+    # every row's output constraint, as vLLM's structured_outputs: {choice: [...]}, {regex: ...}, {json: schema},
+    # {json_object: true} or {grammar: ...} (docs/structured.md); a row's own replaces it
+    structured: dict[str, Any] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -324,11 +328,24 @@ class SamplingConfig:
             openai_defaults=s.take("openai_defaults", _choice("model", "job")),
             n=s.take("n", _int(lo=1, hi=MAX_SAMPLES)),
             sampler=s.take("sampler", _choice("gumbel", "rejection")),
+            structured=s.take("structured", _optional(_structured)),
         )
         if s.ok("min_tokens", "max_tokens") and sampling.min_tokens > sampling.max_tokens:
             s.errs.add(s.key_path("min_tokens"), f"must be <= sampling.max_tokens ({sampling.max_tokens}), "
                                                  f"got {sampling.min_tokens}")
         return sampling
+
+
+def _structured(value: Any) -> dict[str, Any]:
+    """vLLM's structured_outputs object, which the grammar engine compiles (grammars.py)."""
+    try:
+        got = structured_from(value, "structured")
+    except StructuredError as e:
+        raise _Invalid(str(e)) from None
+    why = problem(got)
+    if why is not None:
+        raise _Invalid(why)
+    return dict(value)
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:

@@ -26,7 +26,8 @@ from ..records import Completion, Request
 from ..sampling import SamplingParams
 from .logprobs import NO_LOGPROBS, LogprobAsk, Scored, TokenTexts, prompt_rows, score_new_tokens, score_prompts
 from .controls import NO_CONTROLS, LogitControls, apply_controls, chain_prefixes, tree_prefixes
-from .settings import LoopSettings, refusal, request_settings
+from .settings import LoopSettings, refusal, request_settings, structured_of
+from .structured import GrammarState, Grammars, cut_proposal, mask_segments
 from .prefill_share import PrefillShare, SampleGroup, reuse_order, sample_generator
 from .prefix_cache import PrefixCache
 from .stopping import Stopping, StopRule
@@ -64,6 +65,7 @@ class Slot:
     sample: int = 0  # which of its request's n samples
     group: SampleGroup | None = None  # its request's samples, where n > 1
     reuse_prefix: bool = True  # may take cached prefix blocks (off: a row that needs every prompt position's logits)
+    grammar: GrammarState | None = None  # its output constraint's state (engine/structured.py), None: free text
 
     @property
     def decoding(self) -> bool:
@@ -77,7 +79,8 @@ class Slot:
     def controlled(self) -> bool:
         """Whether its logits need controls at this step (min_tokens holds only until it is reached)."""
         short = len(self.tokens) - self.prompt_len < self.rule.min_tokens
-        return self.controls.active(self.sp.temperature) or (short and bool(self.rule.eos | self.rule.stop_ids))
+        return (self.controls.active(self.sp.temperature) or (short and bool(self.rule.eos | self.rule.stop_ids))
+                or self.grammar is not None)
 
 
 @dataclass
@@ -129,6 +132,7 @@ class BatchLoop:
         self.prefix = prefix_cache
         self.share = PrefillShare(prefix_cache, self.cache, self._features)
         self._queued: list[SampleGroup] = []  # requests with samples not yet in a slot
+        self.grammars = Grammars(tokenizer, target.spec.vocab_size)
 
     # -- admission ----------------------------------------------------------------------
 
@@ -139,6 +143,8 @@ class BatchLoop:
         ask = self.cfg.logprobs.of_row(req.params.logprobs, req.params.prompt_logprobs, rule.max_tokens)
         self.slots[idx] = Slot(idx, req, len(prompt_ids), list(prompt_ids), sp, rule, gen, controls, ask=ask,
                                sample=sample, group=group, reuse_prefix=ask.prompt_logprobs is None)
+        if (constraint := structured_of(self.cfg, req)) is not None:
+            self.slots[idx].grammar = self.grammars.open(constraint, rule.eos | rule.stop_ids, rule.min_tokens)
         for d in self.drafters.values():
             d.on_admit(idx)
         self.policy.on_admit(idx, req.id)
@@ -298,6 +304,8 @@ class BatchLoop:
                 else:
                     tokens[i] = d[: r.gamma + r.room]  # a chain may run past gamma (DraftRequest.room)
                 probs[i] = None if q is None else q[: len(tokens[i])]
+                tokens[i], parents[i], probs[i] = cut_proposal(decode[i].grammar, decode[i].sp, tokens[i], parents[i],
+                                                               probs[i])
         return Proposal(tokens, probs, parents), seconds
 
     def _tree_budget(self, s: Slot, c: Choice, drafter: Drafter) -> int:
@@ -373,14 +381,17 @@ class BatchLoop:
         if not any(s.controlled for s in served):
             return logits
         out = logits.to(torch.float32, copy=True)
-        row = 0
+        row, constrained = 0, []
         for s, d, t in zip(served, drafts, trees):
             n = len(d) + 1
             if s.controlled:
                 prefixes = chain_prefixes(d) if t is None else tree_prefixes(d, t)
                 apply_controls(out[row : row + n], s.controls, s.sp.temperature, s.tokens[: s.prompt_len], s.generated,
                                prefixes, s.rule.min_tokens, s.rule.eos | s.rule.stop_ids)
+                if s.grammar is not None:  # the grammar state along each row's path (engine/structured.py)
+                    constrained.append((s.grammar, row, prefixes))
             row += n
+        mask_segments(out, logits, constrained)
         return out
 
     @staticmethod
@@ -405,7 +416,10 @@ class BatchLoop:
         generated = 0
         for i, (s, new, k, d) in enumerate(zip(plan.decode + plan.finishing, verdict.tokens, verdict.accepted,
                                                plan.drafts + [[] for _ in plan.finishing])):
+            new = new if s.grammar is None else s.grammar.advance(new)
             kept = self._append(s, new)
+            if s.grammar is not None and s.grammar.stopped and s.finish_reason is None:
+                s.finish_reason = "stop"  # the grammar takes no more tokens: as at EOS
             s.logprobs.extend(scored[i][:kept] if scored is not None else ())
             if d:
                 s.spec_steps += 1
@@ -553,7 +567,8 @@ class BatchLoop:
         except ValueError as e:
             self.stats.observe_row("error", 0)
             return Completion.failed(req, str(e))
-        problem = refusal(self.cfg, req, ids, self.target.spec.vocab_size)
+        problem = (refusal(self.cfg, req, ids, self.target.spec.vocab_size)
+                   or self.grammars.problem(structured_of(self.cfg, req)))
         if problem is not None:
             self.stats.observe_row("error", 0)
             return Completion.failed(req, problem, prompt_tokens=len(ids))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..grammars import Structured
 from ..records import Request, RowParams
 from ..sampling import SamplingParams
 from .controls import NO_CONTROLS, LogitControls
@@ -35,6 +36,7 @@ class LoopSettings:
     openai_defaults: RowParams | None = None
     logprobs: LogprobAsk = NO_LOGPROBS  # the job's; a row's own logprobs / prompt_logprobs override it
     n: int = 1  # samples per prompt (the job's; a row's own params override it)
+    structured: Structured | None = None  # the job's output constraint (engine/structured.py); a row's own replaces it
 
 
 def request_settings(cfg: LoopSettings, req: Request) -> tuple[SamplingParams, StopRule, LogitControls]:
@@ -65,6 +67,11 @@ def request_settings(cfg: LoopSettings, req: Request) -> tuple[SamplingParams, S
         frequency_penalty=jc.frequency_penalty if own.frequency_penalty is None else own.frequency_penalty,
     )
     return sp, rule, controls
+
+
+def structured_of(cfg: LoopSettings, req: Request) -> Structured | None:
+    """A request's output constraint: its own, else the job's."""
+    return cfg.structured if req.params.structured is None else req.params.structured
 
 
 def refusal(cfg: LoopSettings, req: Request, ids: list[int], vocab: int) -> str | None:

@@ -3,7 +3,9 @@
 Both name the same sampling fields (``max_tokens`` / ``max_completion_tokens``, ``temperature``,
 ``top_p``, ``top_k``, ``stop``, ``seed``, ``n``, ``logprobs``, ``prompt_logprobs``, and the controls
 ``stop_token_ids``, ``min_tokens``, ``min_p``, ``presence_penalty``, ``frequency_penalty``,
-``repetition_penalty``, ``logit_bias``, with the chat template's ``chat_template_kwargs``);
+``repetition_penalty``, ``logit_bias``, with the chat template's ``chat_template_kwargs``, and structured
+output: OpenAI's ``response_format``, vLLM's ``structured_outputs`` and its older ``guided_*`` fields, at most
+one of them, read by grammars.py);
 :func:`row_params` checks them once and gives a :class:`RowParams`, a field absent or null taking the
 job's value. The ranges are vLLM's (``logit_bias`` values are clamped to [-100, 100] as vLLM does). A
 bad value raises :class:`ParamError`, which the reader turns into an error row.
@@ -27,6 +29,7 @@ from dataclasses import replace
 from numbers import Integral, Real
 from typing import Any
 
+from ..grammars import GUIDED, Structured, StructuredError, from_guided, from_response_format, problem, structured_from
 from ..records import MAX_LOGPROBS, MAX_SAMPLES, NO_PARAMS, RowParams
 
 __all__ = ["SAMPLING_FIELDS", "ParamError", "body_params", "column_params", "row_params"]
@@ -34,7 +37,8 @@ __all__ = ["SAMPLING_FIELDS", "ParamError", "body_params", "column_params", "row
 #: The per-row sampling fields, in an OpenAI body and in a params column alike.
 SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "logprobs",
                    "prompt_logprobs", "stop_token_ids", "min_tokens", "min_p", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "logit_bias", "chat_template_kwargs")
+                   "frequency_penalty", "repetition_penalty", "logit_bias", "chat_template_kwargs",
+                   "response_format", "structured_outputs", *GUIDED)
 
 #: Body fields that do not change the text: accepted and ignored (``model`` is echoed).
 IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options",
@@ -51,7 +55,6 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "functions": [],
     "tool_choice": "none",
     "function_call": "none",
-    "response_format": {"type": "text"},
 }
 
 _INT64 = (-(2**63), 2**63 - 1)  # the seed's range (vLLM's, and what a torch generator takes)
@@ -189,7 +192,28 @@ def row_params(fields: Mapping[str, Any], where: str = "") -> RowParams:
         logit_bias=get("logit_bias", _logit_bias),
         chat_template_kwargs=get("chat_template_kwargs", _template_kwargs),
         n=get("n", lambda n, v: _integer(n, v, 1, MAX_SAMPLES, f"an integer in 1..{MAX_SAMPLES}")),
+        structured=_structured(fields, where),
     )
+
+
+def _structured(fields: Mapping[str, Any], where: str) -> Structured | None:
+    """The row's constraint: from response_format, structured_outputs or a guided_* field (one of them),
+    checked by the grammar engine (a bad schema, regex or grammar, or no engine: an error row)."""
+    try:
+        found = {name: s for name, s in (
+            ("response_format", from_response_format(fields.get("response_format"), f"{where}response_format")),
+            ("structured_outputs", structured_from(fields.get("structured_outputs"), f"{where}structured_outputs")),
+            ("guided_*", from_guided(fields, where))) if s is not None}
+    except StructuredError as e:
+        raise ParamError("structured output", str(e)) from None
+    if len(found) > 1:
+        raise ParamError("structured output", f"{' and '.join(where + k for k in found)} both constrain the "
+                                              f"output; give one of them")
+    got = next(iter(found.values()), None)
+    why = None if got is None else problem(got)
+    if why is not None:
+        raise ParamError("structured output", f"{where}{next(iter(found))}: {why}")
+    return got
 
 
 def _penalty(name: str, value: Any) -> float:
