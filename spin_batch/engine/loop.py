@@ -12,7 +12,6 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 
@@ -20,84 +19,23 @@ from ..drafters.base import Drafter, DraftRequest, Proposal
 from ..models.cache import KVCache
 from ..models.protocol import TargetModel
 from ..models.segments import Segments
-from ..stats import RunStats, StepRecord
+from ..stats import RunStats
 from ..selection.policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
 from ..records import Completion, Request
 from ..sampling import SamplingParams
-from .logprobs import NO_LOGPROBS, LogprobAsk, Scored, TokenTexts, prompt_rows, score_new_tokens, score_prompts
-from .controls import NO_CONTROLS, LogitControls, apply_controls, chain_prefixes, tree_prefixes
+from .logprobs import Scored, TokenTexts, prompt_rows, score_new_tokens, score_prompts
+from .controls import LogitControls, apply_controls, chain_prefixes, tree_prefixes
 from .settings import LoopSettings, refusal, request_settings, structured_of
-from .structured import GrammarState, Grammars, cut_proposal, mask_segments
+from .structured import Grammars, cut_proposal, mask_segments
 from .prefill_share import PrefillShare, SampleGroup, reuse_order, sample_generator
 from .prefix_cache import PrefixCache
 from .stopping import Stopping, StopRule
 from .tree_verify import DraftTree, accept_trees
+from .slot import Plan, Slot, step_record
 from .verify import Verdict, accept_drafts
 
 
 REUSE_WINDOW = 2  # with a prefix cache, requests read ahead to order for reuse: this many per slot
-
-
-@dataclass
-class Slot:
-    """One request in flight."""
-
-    index: int
-    req: Request
-    prompt_len: int
-    tokens: list[int]  # prompt + generated, committed
-    sp: SamplingParams  # this request's sampling settings
-    rule: StopRule  # when it is done
-    gen: torch.Generator | None  # its random stream (sampling only)
-    controls: LogitControls = NO_CONTROLS  # what its logits go through before the verifier reads them
-    prefilled: int = 0  # prompt tokens already in the target cache
-    spec_steps: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    pulls: Counter = field(default_factory=Counter)
-    t_start: float = field(default_factory=time.perf_counter)
-    share_s: float = 0.0  # this request's share of step wall time (step time / slots in the step)
-    finish_reason: str | None = None
-    text: str | None = None
-    ask: LogprobAsk = NO_LOGPROBS  # the log-probabilities it asks for, kept below as they come
-    logprobs: list[Scored] = field(default_factory=list)
-    prompt_logprobs: list[Scored | None] = field(default_factory=lambda: [None])
-    sample: int = 0  # which of its request's n samples
-    group: SampleGroup | None = None  # its request's samples, where n > 1
-    reuse_prefix: bool = True  # may take cached prefix blocks (off: a row that needs every prompt position's logits)
-    grammar: GrammarState | None = None  # its output constraint's state (engine/structured.py), None: free text
-
-    @property
-    def decoding(self) -> bool:
-        return self.prefilled >= self.prompt_len
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
-
-    @property
-    def controlled(self) -> bool:
-        """Whether its logits need controls at this step (min_tokens holds only until it is reached)."""
-        short = len(self.tokens) - self.prompt_len < self.rule.min_tokens
-        return (self.controls.active(self.sp.temperature) or (short and bool(self.rule.eos | self.rule.stop_ids))
-                or self.grammar is not None)
-
-
-@dataclass
-class Plan:
-    """The packed verify batch of one step."""
-
-    decode: list[Slot]  # decoding slots, in segment order
-    chunks: list[tuple[Slot, int]]  # (slot, chunk length) prefill chunks, after the decode segments
-    drafts: list[list[int]]  # [len(decode)] draft tokens per decoding slot (a tree: its nodes)
-    trees: list[list[int] | None]  # [len(decode)] a token tree's node parents (DraftTree), None for a chain
-    seg: Segments
-    flat: torch.Tensor  # [N] token ids
-    logits_rows: list[int]  # rows that need logits: every decode row, the last row of finishing chunks, then `prompt`s
-    finishing: list[Slot]  # slots whose prompt completes in this step (they take their first token)
-    # (slot, first position, rows) of prompt chunks scored for prompt logprobs: their rows close logits_rows
-    prompt: list[tuple[Slot, int, int]] = field(default_factory=list)
-    reused: int = 0  # prompt tokens copied into slots instead of prefilled (prefill_share.py)
 
 
 class BatchLoop:
@@ -208,7 +146,7 @@ class BatchLoop:
             t = _lap(times, "commit", t)
             self._learn(plan, mb_choices, verdict, draft_s, times)
             t = _lap(times, "learn", t)
-            self.stats.observe(self._record(plan, mb_choices, verdict, generated, times))
+            self.stats.observe(step_record(plan, mb_choices, verdict, generated, times))
             if overlap is not None:
                 self._overlap_end()
                 (proposal, draft_s), times = nxt, nxt_times
@@ -484,34 +422,6 @@ class BatchLoop:
             return  # the request's other samples are still going
         self.finished.append(done)
         self.stats.observe_row("ok", s.prompt_len)
-
-    def _record(self, plan: Plan, choices: list[Choice], verdict: Verdict, generated: int,
-                times: dict[str, float]) -> StepRecord:
-        drafted: Counter = Counter()
-        accepted: Counter = Counter()
-        spec: Counter = Counter()
-        pulls: Counter = Counter()
-        for s, c, d, k in zip(plan.decode, choices, plan.drafts, verdict.accepted):
-            name = c.drafter or "none"
-            pulls[name] += 1
-            if d:
-                drafted[name] += len(d)
-                accepted[name] += k
-                spec[name] += 1
-        return StepRecord(
-            active=len(plan.decode) + len(plan.chunks),
-            forward_tokens=plan.seg.num_tokens,
-            prefill_tokens=sum(n for _, n in plan.chunks),
-            reused_tokens=plan.reused,
-            generated=generated,
-            packed_cells=plan.seg.packed_tokens(),
-            padded_cells=plan.seg.padded_tokens(),
-            stage_s=times,
-            drafted=dict(drafted),
-            accepted=dict(accepted),
-            spec_steps=dict(spec),
-            pulls=dict(pulls),
-        )
 
     # -- driving a stream ---------------------------------------------------------------
 
