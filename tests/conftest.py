@@ -137,6 +137,19 @@ def tiny_draft_dir(tmp_path_factory, tiny_dir) -> Path:
                             seed=7, tokenizer_dir=tiny_dir)
 
 
+def run_all(loop, reqs) -> dict:
+    """Runs requests through a BatchLoop to the end; every row must be ok. Returns the Completions by id."""
+    done = []
+    loop.run(iter(reqs), lambda r: loop.tok.encode(r.prompt), done.append)
+    assert len(done) == len(reqs) and all(c.status == "ok" for c in done), [c.error for c in done]
+    return {c.request.id: c for c in done}
+
+
+def token_ids(done: dict) -> dict[str, tuple]:
+    """Each completion's (token ids, finish reason), by id: what equality tests compare."""
+    return {k: (c.token_ids, c.finish_reason) for k, c in done.items()}
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:

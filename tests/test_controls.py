@@ -19,6 +19,7 @@ from spin_batch.engine.controls import LogitControls, apply_controls, chain_pref
 from spin_batch.engine.loop import BatchLoop, LoopSettings
 from spin_batch.engine.stopping import Stopping, StopRule
 from spin_batch.models.loader import load_model, load_tokenizer
+from conftest import run_all, token_ids  # noqa: E402
 from spin_batch.records import Completion, Request, RowParams
 from spin_batch.sampling import SamplingParams
 from spin_batch.selection.fixed import FixedDrafter, NoSpeculation
@@ -168,15 +169,11 @@ def make(target, slots: int, policy, factories=(), eos=frozenset(), **kw) -> Bat
 
 
 def run(loop: BatchLoop, params=ROW_PARAMS) -> dict[str, Completion]:
-    reqs = [Request(f"mem#{i}", str(i), p, None, params=params[i % len(params)]) for i, p in enumerate(PROMPTS)]
-    done: list[Completion] = []
-    loop.run(iter(reqs), lambda r: loop.tok.encode(r.prompt), done.append)
-    assert len(done) == len(reqs) and all(c.status == "ok" for c in done), [c.error for c in done]
-    return {c.request.id: c for c in done}
+    return run_all(loop, [Request(f"mem#{i}", str(i), p, None, params=params[i % len(params)])
+                          for i, p in enumerate(PROMPTS)])
 
 
-def ids(done: dict[str, Completion]) -> dict[str, tuple]:
-    return {k: (c.token_ids, c.finish_reason) for k, c in done.items()}
+ids = token_ids  # conftest's
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from spin_batch.engine.controls import LogitControls  # noqa: E402
 from spin_batch.engine.loop import BatchLoop, LoopSettings  # noqa: E402
 from spin_batch.grammars import Structured, StructuredError, grammar_text, structured_from  # noqa: E402
 from spin_batch.models.loader import load_model, load_tokenizer  # noqa: E402
+from conftest import run_all, token_ids  # noqa: E402
 from spin_batch.records import Completion, Request, RowParams  # noqa: E402
 from spin_batch.sampling import SamplingParams  # noqa: E402
 from spin_batch.selection.fixed import FixedDrafter, NoSpeculation  # noqa: E402
@@ -103,15 +104,7 @@ def requests(n: int, params=None, prompts=PROMPTS, constraints=CONSTRAINTS) -> l
     return out
 
 
-def run(loop: BatchLoop, reqs: list[Request]) -> dict[str, Completion]:
-    done: list[Completion] = []
-    loop.run(iter(reqs), lambda r: loop.tok.encode(r.prompt), done.append)
-    assert len(done) == len(reqs) and all(c.status == "ok" for c in done), [c.error for c in done]
-    return {c.request.id: c for c in done}
-
-
-def ids(done: dict[str, Completion]) -> dict[str, tuple]:
-    return {k: (c.token_ids, c.finish_reason) for k, c in done.items()}
+run, ids = run_all, token_ids  # conftest's
 
 
 N_EQUAL = 20
