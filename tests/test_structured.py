@@ -323,3 +323,19 @@ def test_the_job_constraint_applies_to_rows_without_their_own(target):
                                                                     params=RowParams(structured=CONSTRAINTS[2]))])
     assert got["0"].text in LABELS and re.fullmatch(REGEX, got["1"].text)
     assert Counter(c.finish_reason for c in got.values()) == Counter({"stop": 2})
+
+
+def test_jump_forward_proposes_the_forced_tokens_and_keeps_the_text(target, reference, monkeypatch):
+    """With no drafter at all, a constrained slot proposes the tokens its grammar forces (JSON keys, quotes,
+    colons): fewer forwards than tokens, every one accepted, and the text plain decoding gives. Off, one forward
+    a token."""
+    from spin_batch.engine import structured
+
+    on = make(target, 1, NoSpeculation())
+    assert ids(run(on, requests(N_EQUAL))) == reference
+    on_steps, on_tokens = on.stats.totals["steps"], on.stats.totals["generated_tokens"]
+    monkeypatch.setattr(structured, "JUMP_FORWARD", False)
+    off = make(target, 1, NoSpeculation())
+    assert ids(run(off, requests(N_EQUAL))) == reference
+    assert on_tokens == off.stats.totals["generated_tokens"]
+    assert on_steps < off.stats.totals["steps"], (on_steps, off.stats.totals["steps"])

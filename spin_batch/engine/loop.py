@@ -244,6 +244,9 @@ class BatchLoop:
                 probs[i] = None if q is None else q[: len(tokens[i])]
                 tokens[i], parents[i], probs[i] = cut_proposal(decode[i].grammar, decode[i].sp, tokens[i], parents[i],
                                                                probs[i])
+        for i, s in enumerate(decode):  # jump-forward: what the grammar forces, where nothing else is drafted
+            if s.grammar is not None and not tokens[i]:
+                tokens[i], parents[i], probs[i] = s.grammar.forced(self._gamma_cap(s)), None, None
         return Proposal(tokens, probs, parents), seconds
 
     def _tree_budget(self, s: Slot, c: Choice, drafter: Drafter) -> int:

@@ -24,6 +24,11 @@ subtrees), before the verify forward, where that keeps sampling exact: greedy ro
 as a rejected one-hot draft would). A sampled model draft with its q keeps its tokens; the verifier
 rejects a refused one (p = 0 there).
 
+Jump-forward: where the grammar allows exactly one continuation for the next tokens (a JSON key, its
+quotes and colon), a slot with no draft of its own proposes those tokens with no draft forward
+(GrammarState.forced), verified like any deterministic draft. The masked target gives each of them
+probability 1, so they are accepted, and the output is the one plain decoding gives.
+
 Each distinct constraint is compiled once per loop (:class:`Grammars`) and copied per request.
 """
 
@@ -37,6 +42,9 @@ import torch
 
 from ..grammars import Structured, grammar_text, one_line, problem
 from ..sampling import SamplingParams
+
+
+JUMP_FORWARD = True  # forced tokens proposed as a draft where a slot has none (the module docstring)
 
 
 class Grammars:
@@ -153,6 +161,13 @@ class GrammarState:
                 self.stopped = True
                 return new[: i + 1]
         return new
+
+    def forced(self, cap: int) -> list[int]:
+        """The tokens the grammar forces from the committed state (none where it allows a choice or may end),
+        at most cap, as a chain draft (cut like any: up to a stop token)."""
+        if cap <= 0 or self.stopped or not JUMP_FORWARD:
+            return []
+        return self.cut(list(self.m.compute_ff_tokens())[:cap], None)[0]
 
     def cut(self, tokens: list[int], parents: list[int] | None) -> tuple[list[int], list[int] | None, list[int]]:
         """A proposal without the tokens the grammar refuses: a chain up to the first, a tree without those
