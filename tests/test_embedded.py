@@ -184,3 +184,52 @@ def test_the_openai_example_lines_name_a_model_the_job_serves():
     lines = [json.loads(line) for line in (root / "examples" / "openai_batch.jsonl").read_text().splitlines() if line]
     named = {line["body"]["model"] for line in lines if "model" in line.get("body", {})}
     assert named and named <= set(job.target.served_names)
+
+
+def test_typical_vllm_request_lines_get_answers_not_error_rows(tmp_path, monkeypatch):
+    """The request fields a vLLM user sends (our own lines, in the shape of vLLM's example batch file and the
+    16 typical lines of issue 47): each line is answered (status 200), constraints hold, n gives n choices and
+    logprobs come back."""
+    pytest.importorskip("llguidance")
+    import json
+
+    from conftest import write_jsonl
+    from spin_batch.config import load_job
+
+    msgs = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Name a colour of the sky."}]
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}}, "required": ["colour"],
+              "additionalProperties": False}
+    bodies = [
+        {"messages": msgs, "max_completion_tokens": 24},
+        {"prompt": "The capital of France is", "max_tokens": 8},
+        {"messages": msgs, "max_tokens": 24, "response_format": {"type": "json_object"}},
+        {"messages": msgs, "max_tokens": 40, "response_format": {"type": "json_schema",
+                                                                 "json_schema": {"name": "c", "schema": schema}}},
+        {"messages": msgs, "max_tokens": 16, "stop_token_ids": [2]},
+        {"messages": msgs, "max_tokens": 16, "temperature": 0.8, "min_p": 0.1, "seed": 3},
+        {"messages": msgs, "max_tokens": 16, "repetition_penalty": 1.2},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Name a fruit."}]}], "max_tokens": 16},
+        {"messages": msgs, "max_tokens": 16, "chat_template_kwargs": {"enable_thinking": False}},
+        {"messages": msgs, "max_tokens": 8, "structured_outputs": {"choice": ["blue", "grey"]}},
+        {"messages": msgs, "max_tokens": 8, "guided_choice": ["blue", "grey"]},
+        {"messages": msgs, "max_tokens": 8, "logprobs": True, "top_logprobs": 5},
+        {"messages": msgs, "max_tokens": 8, "n": 2, "temperature": 0.7, "seed": 1},
+        {"messages": msgs, "max_tokens": 16, "presence_penalty": 0.5, "frequency_penalty": 0.5},
+        {"messages": msgs, "max_tokens": 16, "logit_bias": {"28": -100}},
+        {"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                      {"role": "user", "content": "Say hello."}], "max_completion_tokens": 40},
+    ]
+    lines = [{"custom_id": f"t{i}", "method": "POST", "url": "/v1/completions" if "prompt" in b else "/v1/chat/completions",
+              "body": {"model": "smollm2-135m", **b}} for i, b in enumerate(bodies)]
+    src = write_jsonl(tmp_path / "lines.jsonl", lines)
+    monkeypatch.chdir(REPO)
+    j = load_job("jobs/openai.yaml", [f"input.paths=[{src}]", f"output.dir={tmp_path / 'out'}"])
+    assert run_job(j, progress=False).summary["rows_error"] == 0
+    out = {d["custom_id"]: d for d in map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())}
+    assert len(out) == len(lines) and all(d["error"] is None and d["response"]["status_code"] == 200 for d in out.values())
+    choices = {k: d["response"]["body"]["choices"] for k, d in out.items()}
+    assert json.loads(choices["t3"][0]["message"]["content"]).keys() == {"colour"}
+    assert choices["t9"][0]["message"]["content"] in ("blue", "grey") and choices["t10"][0]["message"]["content"] in (
+        "blue", "grey")
+    assert len(choices["t11"][0]["logprobs"]["content"][0]["top_logprobs"]) == 5
+    assert len(choices["t12"]) == 2
