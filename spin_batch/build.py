@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -246,6 +246,9 @@ def make_prefix_cache(job: JobConfig, target) -> PrefixCache | None:
 
 def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     t0 = time.perf_counter()
+    if job.target.dtype == "auto":  # where the caller has not resolved it (preflight.resolve_dtype)
+        auto = loader.auto_dtype(loader.resolve_device(job.target.device))[0]
+        job = replace(job, target=replace(job.target, dtype=auto))
     device = loader.resolve_device(job.target.device)
     target_dir = loader.resolve_model_dir(job.target.model)
     tokenizer = loader.load_tokenizer(target_dir, job.target.trust_remote_code)

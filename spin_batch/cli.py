@@ -10,15 +10,15 @@ from .config import ConfigError, load_job
 
 
 def _load(job_path: str, overrides: tuple[str, ...]):
-    """The job file with its overrides; batch.max_model_len left at its default is fitted to the target's
-    position limit (preflight.fit_context)."""
+    """The job file with its overrides; target.dtype auto resolved for this machine (preflight.resolve_dtype) and
+    batch.max_model_len left at its default fitted to the target's position limit (preflight.fit_context)."""
     try:
         job = load_job(job_path, overrides)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
-    from .preflight import fit_context
+    from .preflight import fit_context, resolve_dtype
 
-    return fit_context(job)
+    return fit_context(resolve_dtype(job, say=lambda line: click.echo(line, err=True)))
 
 
 DEFAULT_SIZES = "1x128:1024,1x192:2048,1x384:4096"  # the shipped family for the embedded model
@@ -419,9 +419,12 @@ def env(job_path, overrides):
         info = cpu_decoder.build_info(lib)
         click.echo(f"c kernels\t-march={info['march']}, {info['isa']} GEMM, bfloat16 GEMM {info['bf16_gemm']}, "
                    f"int8 GEMM {info['int8_gemm']}")
+    from .models import loader
+
+    auto, why = loader.auto_dtype(torch.device("cpu"))
+    click.echo(f"dtype auto\t{auto} on CPU: {why}")
     if job_path is None:
         return
-    from .models import loader
     from .models.distilled import draft_meta
 
     job = _load(job_path, overrides)

@@ -128,6 +128,19 @@ def check_models(job: JobConfig) -> list[str]:
     return problems
 
 
+def resolve_dtype(job: JobConfig, say=None) -> JobConfig:
+    """The job with target.dtype auto replaced by what it means here (loader.auto_dtype); `say` gets one line saying
+    which and why. Any other dtype: the job as it is."""
+    if job.target.dtype != "auto":
+        return job
+    from dataclasses import replace
+
+    dtype, why = loader.auto_dtype(loader.resolve_device(job.target.device))
+    if say is not None:
+        say(f"spin-batch: target.dtype auto -> {dtype}: {why}")
+    return replace(job, target=replace(job.target, dtype=dtype))
+
+
 def fit_context(job: JobConfig) -> JobConfig:
     """The job with batch.max_model_len lowered to the target's position limit where the job left it at
     its default and the model takes fewer positions (vLLM, too, takes the model's own length unless

@@ -23,7 +23,7 @@ from .io.rows import input_spec
 from .io.schema import completion_row
 from .io.shards import assign, count_rows, file_format, list_shards, resolve_workers, worker_sources
 from .io.writer import OutputWriter, StatsWriter, make_run_id, write_json_atomic
-from .preflight import check_output
+from .preflight import check_output, resolve_dtype
 from .records import Completion, Request
 from .stats import RunStats
 
@@ -78,6 +78,7 @@ def run_job(
     is an error. ``allow_changed_job``: resume even though the settings that change a row's text
     differ from those the output folder's rows were made with (fingerprint.py)."""
     shard_index, num_shards = resolve_workers(shard_index, num_shards)
+    job = resolve_dtype(job)  # target.dtype auto: the fingerprint and the engine see what it means here
     # everything that can be checked without weights is, before any model loads
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"--limit must be an integer >= 0, got {limit!r}")

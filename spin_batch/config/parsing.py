@@ -259,6 +259,17 @@ def _dtype(value: Any) -> str:
     )
 
 
+def _target_dtype(value: Any) -> str:
+    """target.dtype: a dtype name or alias, or 'auto' (resolved per machine: preflight.resolve_dtype)."""
+    if value == "auto":
+        return "auto"
+    try:
+        return _dtype(value)
+    except _Invalid:
+        raise _Invalid("must be 'auto' or one of 'float32', 'bfloat16', 'float16' "
+                       f"(aliases fp32, bf16, fp16), got {_describe(value)}") from None
+
+
 BACKENDS = ("auto", "native", "transformers")  # target.backend, a model drafter's backend
 
 

@@ -18,6 +18,7 @@ from .parsing import (
     _choice,
     _describe,
     _dtype,
+    _target_dtype,
     _int,
     _Invalid,
     _num,
@@ -122,7 +123,9 @@ class TargetConfig:
     """The model whose outputs are produced (and verified against)."""
 
     model: str = "builtin:smollm2-135m"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # auto: bfloat16 where the CPU has bfloat16 dot products and the C kernels run it (or a GPU takes it),
+    # else float32; resolved before anything runs (preflight.resolve_dtype)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
     # the kernels every model of the job runs on (spin_batch/models/execution.py): auto (CPU: measured per
     # model; CUDA: Triton with CUDA graphs where Triton imports) | c (the C decoder, CPU only) | torch |
@@ -145,7 +148,7 @@ class TargetConfig:
         device = _pattern(r"auto|cpu|cuda(:[0-9]+)?", "auto, cpu, cuda or cuda:<index>")
         target = cls(
             model=s.take("model", _path),
-            dtype=s.take("dtype", _dtype),
+            dtype=s.take("dtype", _target_dtype),
             device=s.take("device", device),
             kernels=s.take("kernels", _choice("auto", "c", "torch", "triton")),
             backend=s.take("backend", _choice(*BACKENDS)),

@@ -117,6 +117,21 @@ def native_bf16(device: torch.device) -> bool:
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def auto_dtype(device: torch.device) -> tuple[str, str]:
+    """What target.dtype auto means on this device: (dtype, why)."""
+    if device.type == "cuda":
+        if native_bf16(device):
+            return "bfloat16", "the GPU has native bfloat16"
+        return "float32", "the GPU has no native bfloat16"
+    lib = cpu_decoder.library()
+    if lib is None:
+        return "float32", "the C kernels are not built here (no C compiler)"
+    if not lib.spin_gemm_bf16_native():
+        return "float32", "this CPU has no bfloat16 dot products (AVX512-BF16): bfloat16 weights would be widened"
+    return "bfloat16", ("this CPU has bfloat16 dot products (AVX512-BF16) and the C kernels run bfloat16 "
+                        "batch-invariantly (docs/numerics.md)")
+
+
 def builtin_name(spec: str) -> str | None:
     if not spec.startswith(BUILTIN_PREFIX):
         return None
