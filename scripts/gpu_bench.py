@@ -14,12 +14,11 @@ import platform
 import sys
 import time
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from spin_batch.engine.device_step import DeviceDrafting, DeviceLoop
+from spin_batch.engine.device_step import HOST_READS, DeviceDrafting, DeviceLoop, host_reads
 from spin_batch.engine.loop import BatchLoop, LoopSettings
 from spin_batch.models.loader import load_model, load_tokenizer, resolve_execution, resolve_model_dir
 from spin_batch.records import Request, RowParams
@@ -36,28 +35,7 @@ PROMPTS = [
     "What is 17 * 23? Show the steps.",
     "Translate to French: good morning, how are you today?",
 ]
-AUDITED = ("item", "tolist", "cpu", "__bool__", "nonzero", "numpy")
-
-
-@contextmanager
-def counted():
-    """Counts calls of the tensor methods that read a tensor back on the host."""
-    calls = {n: 0 for n in AUDITED}
-    saved = {n: getattr(torch.Tensor, n) for n in AUDITED}
-
-    def wrap(n):
-        def call(self, *a, **k):
-            calls[n] += 1
-            return saved[n](self, *a, **k)
-        return call
-
-    for n in AUDITED:
-        setattr(torch.Tensor, n, wrap(n))
-    try:
-        yield calls
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
+AUDITED, counted = HOST_READS, host_reads  # the sync audit (engine/device_step.py)
 
 
 def settings(slots: int, max_tokens: int, max_model_len: int = 1024) -> LoopSettings:

@@ -4,13 +4,11 @@ token, no host read inside a queued step, and a handful of bucket shapes for eve
 from __future__ import annotations
 
 import random
-from contextlib import contextmanager
 
 import pytest
-import torch
 
 from spin_batch.drafters.ngram import NgramDrafter
-from spin_batch.engine.device_step import DeviceDrafting, DeviceLoop
+from spin_batch.engine.device_step import HOST_READS, DeviceDrafting, DeviceLoop, host_reads
 from spin_batch.engine.loop import BatchLoop, LoopSettings
 from spin_batch.models import execution
 from spin_batch.models.buckets import bucket_of
@@ -111,28 +109,7 @@ def test_device_step_gated_ngram_equals_autoregressive(target):
 
 # -- no host read inside the step ---------------------------------------------------------------
 
-AUDITED = ("item", "tolist", "cpu", "__bool__", "nonzero", "numpy")
-
-
-@contextmanager
-def audit():
-    """Counts calls of the tensor methods that read a device tensor on the host."""
-    calls: dict[str, int] = {name: 0 for name in AUDITED}
-    saved = {name: getattr(torch.Tensor, name) for name in AUDITED}
-
-    def counting(name):
-        def call(self, *a, **k):
-            calls[name] += 1
-            return saved[name](self, *a, **k)
-        return call
-
-    for name in AUDITED:
-        setattr(torch.Tensor, name, counting(name))
-    try:
-        yield calls
-    finally:
-        for name, f in saved.items():
-            setattr(torch.Tensor, name, f)
+AUDITED, audit = HOST_READS, host_reads  # the sync audit (engine/device_step.py)
 
 
 def _long_requests(n: int) -> list[Request]:

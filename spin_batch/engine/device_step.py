@@ -31,6 +31,7 @@ trees, the bandit (the gate's caps are taken from the n-gram drafter once, at co
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,28 @@ from .stopping import Stopping, StopRule
 STOP_IDS = 8  # stop-token table width: a request with more EOS and stop token ids together is refused
 HEAD = 5  # spin_kernels.commit.RECORD_HEAD: accepted, kept, finish, length, drafted
 FINISH = {1: "stop", 2: "length"}
+HOST_READS = ("item", "tolist", "cpu", "__bool__", "nonzero", "numpy")  # tensor methods that read back on the host
+
+
+@contextmanager
+def host_reads():
+    """The sync audit (docs/gpu.md): counts, per name, the calls of HOST_READS on any tensor inside the block."""
+    calls = {name: 0 for name in HOST_READS}
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counting(name):
+        def call(self, *a, **k):
+            calls[name] += 1
+            return saved[name](self, *a, **k)
+        return call
+
+    for name in HOST_READS:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        yield calls
+    finally:
+        for name, f in saved.items():
+            setattr(torch.Tensor, name, f)
 
 
 @dataclass(frozen=True)
