@@ -246,8 +246,8 @@ def make_prefix_cache(job: JobConfig, target) -> PrefixCache | None:
 
 def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     t0 = time.perf_counter()
-    if job.target.dtype == "auto":  # where the caller has not resolved it (preflight.resolve_dtype)
-        auto = loader.auto_dtype(loader.resolve_device(job.target.device))[0]
+    if job.target.dtype == "auto":  # where the caller has not resolved it (preflight.resolve_dtype does)
+        auto = loader.auto_dtype(loader.resolve_device(job.target.device), job.target.c_kernels_allowed)[0]
         job = replace(job, target=replace(job.target, dtype=auto))
     device = loader.resolve_device(job.target.device)
     target_dir = loader.resolve_model_dir(job.target.model)

@@ -135,7 +135,7 @@ def resolve_dtype(job: JobConfig, say=None) -> JobConfig:
         return job
     from dataclasses import replace
 
-    dtype, why = loader.auto_dtype(loader.resolve_device(job.target.device))
+    dtype, why = loader.auto_dtype(loader.resolve_device(job.target.device), job.target.c_kernels_allowed)
     if say is not None:
         say(f"spin-batch: target.dtype auto -> {dtype}: {why}")
     return replace(job, target=replace(job.target, dtype=dtype))

@@ -855,8 +855,8 @@ def test_a_gated_drafter_that_cannot_pay_in_the_best_case_is_not_probed():
 
 
 def test_the_joint_choice_skips_solving_only_where_no_slot_could_draft():
-    """JointChoice.could_pay is a bound: where it says no slot could draft, solve() drafts for none (so the
-    bandit need not run it, the cost of a step's choice at large batch); where solve() drafts, it says yes."""
+    """JointChoice.open_slots is a bound: where it finds no slot that could draft, solve() drafts for none (so the
+    bandit need not run it, the cost of a step's choice at large batch); every slot solve() drafts for is open."""
     from spin_batch.selection.joint import chain_spend
 
     rng = random.Random(3)
@@ -872,13 +872,12 @@ def test_the_joint_choice_skips_solving_only_where_no_slot_could_draft():
                             verify_price=rng.random() * 1.2, lam=rng.uniform(50, 500),
                             past={d: (rng.random(), rng.random()) for d in drafters if rng.random() < 0.3},
                             calibration={d: rng.uniform(0.5, 1.5) for d in drafters if rng.random() < 0.3})
-        picks = joint.solve()
-        if not joint.could_pay():
+        picks, open_slots = joint.solve(), joint.open_slots()
+        if not open_slots:
             skipped += 1
             assert all(d is None for d, _ in picks)
         drafted += any(d is not None for d, _ in picks)
-        if any(d is not None for d, _ in picks):
-            assert joint.could_pay()
+        assert {k for k, (d, _) in enumerate(picks) if d is not None} <= open_slots
     assert skipped > 50 and drafted > 50, (skipped, drafted)
     assert chain_spend(0, None) == (0.0, 0.0)
 
@@ -901,7 +900,7 @@ def test_slots_join_a_drafter_at_twice_the_width_its_forwards_were_measured_at()
 
 
 def test_slots_that_could_not_draft_are_left_out_and_the_choice_is_unchanged():
-    """Once could_pay has found the slots that could draft at all, solve() gives the same picks as without it."""
+    """Given the slots that could draft at all (open_slots), solve() gives the same picks as over every slot."""
     rng = random.Random(5)
     compared = 0
     for _ in range(300):
@@ -914,7 +913,8 @@ def test_slots_that_could_not_draft_are_left_out_and_the_choice_is_unchanged():
                   goes_on={d: rng.choice([None, rng.random()]) for d in drafters},
                   verify_price=rng.random() * 0.8, lam=rng.uniform(50, 500))
         pruned, whole = JointChoice(**kw), JointChoice(**kw)
-        if pruned.could_pay():
-            compared += pruned._open != set(range(n))
-            assert pruned.solve() == whole.solve()
+        open_slots = pruned.open_slots()
+        if open_slots:
+            compared += open_slots != set(range(n))
+            assert pruned.solve(open_slots) == whole.solve()
     assert compared > 30, compared

@@ -32,6 +32,8 @@ def test_auto_follows_the_cpu_and_the_c_kernels(monkeypatch):
     resolved = resolve_dtype(job(dtype="auto", device="cpu"), say=said.append)
     assert resolved.target.dtype == want and said and want in said[0]
     assert resolve_dtype(job(dtype="float16")).target.dtype == "float16"  # as given
+    for off in ({"kernels": "torch"}, {"backend": "transformers"}):  # off the C kernels bfloat16 is not exact
+        assert resolve_dtype(job(dtype="auto", device="cpu", **off)).target.dtype == "float32"
 
     class NoBf16:  # a CPU without AVX512-BF16: its bfloat16 GEMM widens the weights
         def spin_gemm_bf16_native(self):

@@ -140,6 +140,12 @@ class TargetConfig:
     served_model_name: tuple[str, ...] = ()
 
     @property
+    def c_kernels_allowed(self) -> bool:
+        """Whether the target may run on the C kernels (kernels auto or c, the native backend): where bfloat16 is
+        batch-invariant, which target.dtype auto asks of it."""
+        return self.kernels in ("auto", "c") and self.backend != "transformers"
+
+    @property
     def served_names(self) -> tuple[str, ...]:
         return self.served_model_name or (self.model,)
 

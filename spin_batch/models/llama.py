@@ -123,7 +123,9 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panel is not None:
-            y = self.panel(x).to(x.dtype)  # int8 weights give float32 rows: a bfloat16 model's go back to it
+            y = self.panel(x)
+            if self.panel.scale is not None:  # int8 weights give float32 rows: a bfloat16 model's go back to it
+                y = y.to(x.dtype)
             return y if self.bias is None else y.add_(self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")

@@ -117,12 +117,15 @@ def native_bf16(device: torch.device) -> bool:
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def auto_dtype(device: torch.device) -> tuple[str, str]:
-    """What target.dtype auto means on this device: (dtype, why)."""
+def auto_dtype(device: torch.device, c_kernels: bool = True) -> tuple[str, str]:
+    """What target.dtype auto means on this device: (dtype, why). c_kernels: whether the job lets the target run
+    on the C kernels (target.kernels auto or c, the native backend), the path where bfloat16 is batch-invariant."""
     if device.type == "cuda":
         if native_bf16(device):
             return "bfloat16", "the GPU has native bfloat16"
         return "float32", "the GPU has no native bfloat16"
+    if not c_kernels:
+        return "float32", "the job keeps the target off the C kernels, where bfloat16 is not batch-invariant"
     lib = cpu_decoder.library()
     if lib is None:
         return "float32", "the C kernels are not built here (no C compiler)"

@@ -389,9 +389,15 @@ class BanditPolicy(Policy):
             goes_on={d: self.pricing.goes_on(d) for d in self.drafters}, verify_price=verify_price, lam=lam,
             past={d: p.value for d, p in self.past.items() if p.rows},
             calibration={d: c.factor for (d, at), c in self.calibration.items() if at == n})
-        if joint.drain_bound() <= joint.n if self.draining else not joint.could_pay():
-            return {}
-        picks = joint.solve()
+        open_slots = None  # the drain values the slowest slot, so every slot counts there (drain_bound instead)
+        if self.draining:
+            if joint.drain_bound() <= joint.n:
+                return {}
+        else:
+            open_slots = joint.open_slots()
+            if not open_slots:
+                return {}
+        picks = joint.solve(open_slots)
         if self.draining:
             picks = joint.drain_picks(picks)
             if joint.drain_value(picks) <= joint.n:

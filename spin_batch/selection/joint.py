@@ -126,9 +126,12 @@ class JointChoice:
         self.spend = {d: [chain_spend(g, c) for g in range(max(caps) + 1)] for d, c in goes_on.items()}
         self.n = len(caps)
         self._memo: dict[tuple, tuple[float, int]] = {}  # _best by its arguments: passes repeat most of them
-        self._open: set[int] | None = None  # the slots that could draft at all (could_pay); None: every slot
+        self._open: set[int] | None = None  # the slots solve() gives best responses to (its open_); None: every slot
 
-    def solve(self) -> list[tuple[str | None, int]]:
+    def solve(self, open_: set[int] | None = None) -> list[tuple[str | None, int]]:
+        """Every slot's (drafter, gamma); open_: the slots that could draft at all (open_slots), the others
+        plain decoding without a best response of their own (None: every slot)."""
+        self._open = open_
         everyone = set(self.coeffs)
         picks = [(None, 0)] * self.n
         for k in range(self.n):
@@ -146,18 +149,16 @@ class JointChoice:
                 picks, value, everyone = trial, trial_value, allowed
         return picks
 
-    def could_pay(self) -> bool:
-        """Whether any slot could draft in solve(): some drafter's chain beats plain decoding at the highest
-        posterior mean among the slots, the largest cap, and no forward of its own to pay (another slot's
-        forwards carry it). Each of these only raises a chain's value, so where none pays, solve() picks
-        plain decoding for every slot and need not run."""
+    def open_slots(self) -> set[int]:
+        """The slots that could draft in solve(): a slot is open where some drafter's chain beats plain decoding
+        at its posterior mean and cap with no forward of its own to pay (another slot's forwards carry it).
+        Each of these only raises a chain's value, so a closed slot answers plain decoding to every pick of the
+        others, and where none is open solve() need not run. Checked first for the batch as a whole (the
+        highest mean, the largest cap): the common case at large batch, where nothing could pay."""
         cap = max(self.caps)
         if not any(self._pays(d, max(means[d] for means in self.means), cap) for d in self.coeffs):
-            return False
-        # the same bound slot by slot: a slot with no drafter that could pay at its own mean and cap is left
-        # out of the best responses (it would answer plain decoding to every pick of the others)
-        self._open = {k for k in range(self.n) if any(self._pays(d, self.means[k][d], self.caps[k]) for d in self.coeffs)}
-        return True
+            return set()
+        return {k for k in range(self.n) if any(self._pays(d, self.means[k][d], self.caps[k]) for d in self.coeffs)}
 
     def _pays(self, d: str, a: float, cap: int) -> bool:
         """Whether a chain of drafter d at rate a and cap beats plain decoding with no forward of its own to pay."""
