@@ -60,7 +60,8 @@ def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots:
     and share of step time come from its Completion."""
     drafters = engine.loop.drafters
     policy = assigned_policy(drafters, gamma, assign, gate) if assign is not None else \
-        make_policy(selector, drafters, gamma, confidence_gate=gate, backoff=backoff, tree_nodes=tree_nodes)
+        make_policy(selector, drafters, gamma, confidence_gate=gate, backoff=backoff, tree_nodes=tree_nodes,
+                    target_trees=engine.target.tree_segments)
     loop = BatchLoop(engine.target, engine.tokenizer, replace(engine.loop.cfg, pipeline=pipeline), policy, drafters,
                      cache=engine.loop.cache, stats=RunStats(), prefix_cache=prefix)
     tokens: dict[str, list[int]] = {}

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from .selection.costs import Pricing
 from .selection.factory import gated_drafters
 from .selection.fixed import fixed_choices
-from .selection.policy import Choice, Outcome, Policy, StepCosts
+from .selection.policy import Outcome, Policy, StepChoice, StepCosts
 
 
 class AssignedDrafters(Policy):
@@ -27,10 +27,10 @@ class AssignedDrafters(Policy):
     def on_admit(self, slot: int, req_id: str | None = None) -> None:
         self._slot_drafter[slot] = self.assign.get(req_id)
 
-    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
-        return fixed_choices([self._slot_drafter.get(s) for s in slots], caps, self.gamma, self.pricing)
+    def choose(self, slots: list[int], caps: list[int]) -> StepChoice:
+        return StepChoice.of(fixed_choices([self._slot_drafter.get(s) for s in slots], caps, self.gamma, self.pricing))
 
-    def learn(self, outcomes: list[Outcome], costs: StepCosts) -> None:
+    def learn(self, step: StepChoice, outcomes: list[Outcome], costs: StepCosts) -> None:
         self.pricing.learn(outcomes, costs)
 
 

@@ -259,7 +259,8 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     cache = target.allocate_cache(job.batch.slots, job.batch.max_model_len)
     drafters = build_drafters(job, target, cache, device)
     policy = make_policy(job.spin.selector, drafters, job.spin.num_speculative_tokens, job.sampling.seed,
-                         job.spin.confidence_gate, backoff=job.spin.backoff, tree_nodes=job.spin.tree_nodes)
+                         job.spin.confidence_gate, backoff=job.spin.backoff, tree_nodes=job.spin.tree_nodes,
+                         target_trees=target.tree_segments)
     settings = loop_settings(job, eos_ids(target_dir, tokenizer), device, generation_defaults(target_dir))
     loop = BatchLoop(target, tokenizer, settings, policy, drafters, cache, stats, make_prefix_cache(job, target))
     return Engine(target_dir, target, tokenizer, loop, time.perf_counter() - t0)

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 # tests of the torch path build their models with a forced plan.
 os.environ.setdefault("SPIN_BATCH_CPU_GEMM", "on")
 
-from spin_batch.selection.policy import Choice, Policy  # noqa: E402  (after the environment above)
+from spin_batch.selection.policy import Choice, Policy, StepChoice  # noqa: E402  (after the environment above)
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -259,7 +259,7 @@ class Cycle(Policy):
     def __init__(self, names: list[str]):
         self.names, self.t = names, 0
 
-    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
+    def choose(self, slots: list[int], caps: list[int]) -> StepChoice:
         self.t += 1
-        return [Choice(self.names[(s + self.t) % len(self.names)], min(1 + (s + self.t) % 4, cap)) if cap else
-                Choice(None, 0) for s, cap in zip(slots, caps)]
+        return StepChoice.of([Choice(self.names[(s + self.t) % len(self.names)], min(1 + (s + self.t) % 4, cap))
+                              if cap else Choice(None, 0) for s, cap in zip(slots, caps)])

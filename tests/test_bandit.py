@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
 from spin_batch.bench_policies import assigned_policy
-from spin_batch.selection.bandit import (CALIBRATION_PRIOR, PRIOR_STRENGTH, PROBE_PULLS, BanditPolicy, Beta,
-                                         Calibration, PastGamma, RequestArms)
+from spin_batch.selection.arms import (CALIBRATION_PRIOR, PRIOR_STRENGTH, Beta, Calibration, PastGamma,
+                                       RequestArms)
+from spin_batch.selection.bandit import PROBE_PULLS, BanditPolicy
 from spin_batch.selection.costs import CostModel, Pricing, RatioEma
 from spin_batch.selection.factory import make_policy
 from spin_batch.selection.joint import JointChoice, expected_gain
-from spin_batch.selection.policy import Choice, Outcome, StepCosts
+from spin_batch.selection.policy import Choice, Outcome, StepChoice, StepCosts
 
 
 class World:
@@ -55,7 +57,8 @@ class World:
     def step(self, policy: BanditPolicy, slots: list[int]) -> list:
         """One step; a drafter's time is f per forward (its deepest chain) plus s per position, where
         draft_cost[d] is s alone or the pair (f, s)."""
-        choices = policy.choose(slots, [8] * len(slots))
+        step = policy.choose(slots, [8] * len(slots))
+        choices = step.choices
         outcomes, tokens, draft_tokens, forwards = [], 0, {}, {}
         for s, c in zip(slots, choices):
             proposed = k = 0
@@ -73,7 +76,7 @@ class World:
         verify = self.c0 + self.c1 * tokens
         other = self.spec_overhead if draft_tokens else 0.0
         self.seconds += verify + sum(draft_s.values()) + other
-        policy.learn(outcomes, StepCosts({"select": other, "draft": sum(draft_s.values()), "verify": verify}, tokens,
+        policy.learn(step, outcomes, StepCosts({"select": other, "draft": sum(draft_s.values()), "verify": verify}, tokens,
                                          draft_s, draft_tokens, forwards))
         return choices
 
@@ -255,13 +258,14 @@ def test_decayed_mean_and_its_error():
 
 def test_backoff_is_for_the_bandits_only():
     # fixed, assigned and round_robin run what they are told; backoff: false (spin-nobackoff) turns it off
-    assert BanditPolicy(["d"], max_gamma=4, mode="ucb").gate is not None
-    assert BanditPolicy(["d"], max_gamma=4, mode="thompson").gate is not None
-    assert BanditPolicy(["d"], max_gamma=4, mode="ucb", backoff=False).gate is None
+    assert BanditPolicy(["d"], max_gamma=4, mode="ucb").state.gate is not None
+    assert BanditPolicy(["d"], max_gamma=4, mode="thompson").state.gate is not None
+    assert BanditPolicy(["d"], max_gamma=4, mode="ucb", backoff=False).state.gate is None
     told = [make_policy("fixed:d", ["d"], 4), make_policy("round_robin", ["d"], 4), assigned_policy(["d"], 4, {})]
     for policy in told:
-        assert getattr(policy, "gate", None) is None, type(policy).__name__
-    assert make_policy("ucb", ["d"], 4, backoff=False).gate is None
+        assert not isinstance(policy, BanditPolicy)
+        assert all(step.gate is None for step in (policy.choose([0], [4]), policy.choose([0, 1], [4, 4]))), policy
+    assert make_policy("ucb", ["d"], 4, backoff=False).state.gate is None
 
 
 def test_backoff_keeps_speculation_that_pays():
@@ -305,14 +309,14 @@ def test_warm_start_reduces_exploration():
     run_requests(policy, world, n_requests=30, steps_per_request=10)
 
     def poor_pulls(prior: dict[str, Beta]) -> int:
-        policy.requests[0] = RequestArms({d: Beta(b.alpha, b.beta) for d, b in prior.items()})
+        policy.state.requests[0] = RequestArms({d: Beta(b.alpha, b.beta) for d, b in prior.items()})
         return sum(world.step(policy, [0])[0].drafter == "poor" for _ in range(10))
 
     cold = {d: Beta(0.3 * PRIOR_STRENGTH, 0.7 * PRIOR_STRENGTH) for d in ("poor", "good")}
     warm_total = cold_total = 0
     for _ in range(10):
         policy.on_admit(0)
-        warm_total += poor_pulls(policy.requests[0].arms)
+        warm_total += poor_pulls(policy.state.requests[0].arms)
         cold_total += poor_pulls(cold)
     assert warm_total < cold_total
 
@@ -342,7 +346,7 @@ def test_make_policy_selectors():
     assert type(make_policy("ucb", ["a"], 4)).__name__ == "BanditPolicy"
     assert type(make_policy("ucb", [], 4)).__name__ == "NoSpeculation"
     rr = make_policy("round_robin", ["a", "b"], 3)
-    got = {c.drafter for _ in range(4) for c in rr.choose([0], [5])}
+    got = {c.drafter for _ in range(4) for c in rr.choose([0], [5]).choices}
     assert got == {"a", "b"}
 
 
@@ -384,10 +388,10 @@ def test_assigned_mode_runs_each_request_on_its_own_drafter():
     policy = assigned_policy(["ngram", "d1"], 4, {"a": "d1", "b": None})
     for slot, rid in enumerate(["a", "b", "c"]):
         policy.on_admit(slot, rid)
-    got = policy.choose([0, 1, 2], [4, 4, 2])
+    got = policy.choose([0, 1, 2], [4, 4, 2]).choices
     assert [(c.drafter, c.gamma) for c in got] == [("d1", 4), (None, 0), (None, 0)]
     policy.on_admit(0, "b")  # the slot's next request has its own assignment
-    assert policy.choose([0], [4])[0].drafter is None
+    assert policy.choose([0], [4]).choices[0].drafter is None
     with pytest.raises(ValueError, match="not in the pool"):
         assigned_policy(["ngram"], 4, {"a": "d9"})
 
@@ -544,12 +548,12 @@ def test_the_drain_stops_drafting_unless_every_slot_pays():
     world = World({"d": 0.85}, {"d": 0.0005}, c0=0.03, c1=0.001, seed=0)
     policy = BanditPolicy(["d"], max_gamma=4, seed=0, backoff=False)
     run_requests(policy, world, n_requests=4, steps_per_request=20, slots=2)
-    policy.requests[1].arms["d"] = Beta(0.5, 20.0)  # slot 1's request turned out hard to draft for
-    policy.gamma_exploration = 0.0
-    assert policy.choose([0, 1], [8, 8])[0].gamma > 0  # steady state: slot 0 still drafts
+    policy.state.requests[1].arms["d"] = Beta(0.5, 20.0)  # slot 1's request turned out hard to draft for
+    policy.settings = replace(policy.settings, gamma_exploration=0.0)
+    assert policy.choose([0, 1], [8, 8]).choices[0].gamma > 0  # steady state: slot 0 still drafts
     policy.on_drain()
-    assert all(c.gamma == 0 for c in policy.choose([0, 1], [8, 8]))
-    assert policy.choose([0], [8])[0].gamma > 0  # the last request alone: its drafts shorten the job
+    assert all(c.gamma == 0 for c in policy.choose([0, 1], [8, 8]).choices)
+    assert policy.choose([0], [8]).choices[0].gamma > 0  # the last request alone: its drafts shorten the job
 
 
 def test_exploration_is_charged_to_the_pooled_evidence():
@@ -557,13 +561,13 @@ def test_exploration_is_charged_to_the_pooled_evidence():
     (Before, the bonus came from the request's own observations alone, so every new request re-explored
     every drafter from a bonus of the same size.)"""
     policy = BanditPolicy(["known", "new"], max_gamma=4)
-    policy.pooled["known"] = Beta(1.0 + 600, 1.0 + 400)  # 0.6 over a thousand observations
-    policy.pooled["new"] = Beta(1.0 + 3, 1.0 + 2)  # 0.6 over five
+    policy.state.pooled["known"] = Beta(1.0 + 600, 1.0 + 400)  # 0.6 over a thousand observations
+    policy.state.pooled["new"] = Beta(1.0 + 3, 1.0 + 2)  # 0.6 over five
     policy.on_admit(0)
-    arms = policy.requests[0].arms
+    arms = policy.state.requests[0].arms
     evidence = 1005.0
-    known = policy._rate(arms["known"], policy.pooled["known"], evidence) - arms["known"].mean
-    new = policy._rate(arms["new"], policy.pooled["new"], evidence) - arms["new"].mean
+    known = policy._rate(arms["known"], policy.state.pooled["known"], evidence) - arms["known"].mean
+    new = policy._rate(arms["new"], policy.state.pooled["new"], evidence) - arms["new"].mean
     assert 0 < known < 0.05 < 0.3 < new, (known, new)
 
 
@@ -573,15 +577,15 @@ def test_a_requests_prior_follows_the_pool_until_it_drafts_with_the_drafter():
     observations sit on the prior it had then."""
     policy = BanditPolicy(["d"], max_gamma=4, seed=0, backoff=False)
     policy.on_admit(0)
-    assert policy.requests[0].arms["d"].mean == pytest.approx(0.3)  # nothing pooled yet: the cold prior
-    policy.pooled["d"] = Beta(1.0 + 95, 1.0 + 5)  # other requests have since found d right 95% of the time
+    assert policy.state.requests[0].arms["d"].mean == pytest.approx(0.3)  # nothing pooled yet: the cold prior
+    policy.state.pooled["d"] = Beta(1.0 + 95, 1.0 + 5)  # other requests have since found d right 95% of the time
     policy.choose([0], [4])
-    arm = policy.requests[0].arms["d"]
+    arm = policy.state.requests[0].arms["d"]
     assert arm.n == pytest.approx(PRIOR_STRENGTH) and arm.mean == pytest.approx(96 / 102)
-    policy.learn([Outcome(0, Choice("d", 4), 4, 1)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
-    policy.pooled["d"] = Beta(1.0 + 900, 1.0 + 100)
+    policy.learn(StepChoice(()), [Outcome(0, Choice("d", 4), 4, 1)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
+    policy.state.pooled["d"] = Beta(1.0 + 900, 1.0 + 100)
     policy.choose([0], [4])
-    arm = policy.requests[0].arms["d"]
+    arm = policy.state.requests[0].arms["d"]
     assert arm.alpha == pytest.approx(96 / 102 * PRIOR_STRENGTH + 1)  # its own 1 of 4 on the prior it had
     assert arm.beta == pytest.approx(6 / 102 * PRIOR_STRENGTH + 1)
 
@@ -593,11 +597,11 @@ def test_tokens_accepted_past_gamma_count_as_the_whole_chain_asked_for():
     policy = BanditPolicy(["d"], max_gamma=4, seed=0, backoff=False)
     policy.on_admit(0)
     policy.choose([0], [4])
-    before = policy.pooled["d"].alpha, policy.pooled["d"].beta
-    policy.learn([Outcome(0, Choice("d", 4), 7, 6)], StepCosts({"verify": 0.01}, 8, {"d": 0.001}, {"d": 4}))
-    assert (policy.pooled["d"].alpha, policy.pooled["d"].beta) == (before[0] + 4, before[1])
-    assert policy.requests[0].own["d"].alpha == 4 and policy.requests[0].own["d"].beta == 0
-    assert policy.cost.goodput.value == pytest.approx(7 / 0.01)  # 6 accepted and the bonus, in the step's time
+    before = policy.state.pooled["d"].alpha, policy.state.pooled["d"].beta
+    policy.learn(StepChoice(()), [Outcome(0, Choice("d", 4), 7, 6)], StepCosts({"verify": 0.01}, 8, {"d": 0.001}, {"d": 4}))
+    assert (policy.state.pooled["d"].alpha, policy.state.pooled["d"].beta) == (before[0] + 4, before[1])
+    assert policy.state.requests[0].own["d"].alpha == 4 and policy.state.requests[0].own["d"].beta == 0
+    assert policy.state.cost.goodput.value == pytest.approx(7 / 0.01)  # 6 accepted and the bonus, in the step's time
 
 
 def test_tokens_past_gamma_are_valued_as_measured():
@@ -635,19 +639,20 @@ def test_calibration_scales_what_the_joint_choice_predicts_by_what_its_picks_mad
     world = World({"d": 0.8}, {"d": 0.001}, c0=0.02, c1=0.0005)
     policy = BanditPolicy(["d"], max_gamma=6, seed=0, backoff=False)
     run_requests(policy, world, n_requests=1, steps_per_request=PROBE_PULLS)  # the first trial, then probes
-    assert policy.calibration == {}
+    assert policy.state.calibration == {}
     run_requests(policy, world, n_requests=4, steps_per_request=30)
-    predicted = policy.calibration[("d", 1)]
+    predicted = policy.state.calibration[("d", 1)]
     assert 0.8 < predicted.factor < 1.2  # a world whose acceptance is what the model says: predictions hold
-    chosen = policy.choose([0], [6])[0]
-    assert chosen.drafter == "d" and policy._predicted[0][:2] == ("d", 1)
-    arm = policy.requests[0].arms["d"]
-    assert policy._predicted[0][2] == pytest.approx(expected_gain(chosen.gamma, arm.mean) - 1.0)
-    policy.calibration[("d", 1)] = Calibration(realized=0.0, predicted=1000.0)  # its picks made nothing
-    assert policy.choose([0], [6])[0].gamma == 0
-    policy.calibration[("d", 4)] = Calibration(realized=0.0, predicted=1000.0)  # another batch size's does not
-    del policy.calibration[("d", 1)]
-    assert policy.choose([0], [6])[0].drafter == "d"
+    step = policy.choose([0], [6])
+    chosen, predicted = step.choices[0], step.predicted[0]
+    assert chosen.drafter == "d" and (predicted.slot, predicted.drafter, predicted.slots) == (0, "d", 1)
+    arm = policy.state.requests[0].arms["d"]
+    assert predicted.tokens == pytest.approx(expected_gain(chosen.gamma, arm.mean) - 1.0)
+    policy.state.calibration[("d", 1)] = Calibration(realized=0.0, predicted=1000.0)  # its picks made nothing
+    assert policy.choose([0], [6]).choices[0].gamma == 0
+    policy.state.calibration[("d", 4)] = Calibration(realized=0.0, predicted=1000.0)  # another batch size's does not
+    del policy.state.calibration[("d", 1)]
+    assert policy.choose([0], [6]).choices[0].drafter == "d"
 
 
 def test_a_second_is_priced_at_least_at_plain_decodings_goodput():
@@ -672,29 +677,29 @@ def test_a_measured_drafter_is_probed_at_the_cap_for_a_few_steps():
     first short trial went badly would otherwise never be tried again."""
     from spin_batch.selection.bandit import PROBE_PULLS
 
-    policy = BanditPolicy(["cheap", "costly"], max_gamma=6, seed=0, backoff=False)
-    policy.gamma_exploration = 0.0
+    policy = BanditPolicy(["cheap", "costly"], max_gamma=6, seed=0, backoff=False, gamma_exploration=0.0)
     for n in range(1, 9):  # verify: 20 ms + 0.5 ms a row
-        policy.cost.observe_verify(n, 0.02 + 0.0005 * n)
+        policy.state.cost.observe_verify(n, 0.02 + 0.0005 * n)
     for d, s in (("cheap", 0.0002), ("costly", 0.002)):
-        policy.cost.observe_draft(d, 2, 2 * s)
-    policy.cost.goodput.add(200.0, 1.0)
-    policy.pooled["cheap"] = Beta(1.0 + 300, 1.0 + 300)
-    policy.pulls["cheap"] = 300  # well known
-    policy.pooled["costly"] = Beta(1.0 + 1, 1.0 + 1)  # its first trial: 1 of 2
-    policy.pulls["costly"] = 1
+        policy.state.cost.observe_draft(d, 2, 2 * s)
+    policy.state.cost.goodput.add(200.0, 1.0)
+    policy.state.pooled["cheap"] = Beta(1.0 + 300, 1.0 + 300)
+    policy.state.pulls["cheap"] = 300  # well known
+    policy.state.pooled["costly"] = Beta(1.0 + 1, 1.0 + 1)  # its first trial: 1 of 2
+    policy.state.pulls["costly"] = 1
     for s in (0, 1):
         policy.on_admit(s)
     probes = 0
-    while policy.pulls["costly"] < PROBE_PULLS:
-        picks = policy.choose([0, 1], [6, 3])
+    while policy.state.pulls["costly"] < PROBE_PULLS:
+        step = policy.choose([0, 1], [6, 3])
+        picks = step.choices
         assert picks[0] == Choice("costly", 6)  # slot 1 is the joint choice's
-        policy.learn([Outcome(0, picks[0], 6, 6)], StepCosts({"verify": 0.0235}, 7, {"costly": 0.012}, {"costly": 6}))
+        policy.learn(step, [Outcome(0, picks[0], 6, 6)], StepCosts({"verify": 0.0235}, 7, {"costly": 0.012}, {"costly": 6}))
         probes += 1
     assert probes == PROBE_PULLS - 1
-    assert policy.pooled["costly"].mean > 0.85
+    assert policy.state.pooled["costly"].mean > 0.85
     # now it pays (a new request's rate sits on POOL_PRIOR pseudo-tokens at the cold rate, so not yet at the cap)
-    assert all(c.drafter == "costly" and c.gamma >= 4 for c in policy.choose([0, 1], [6, 6]))
+    assert all(c.drafter == "costly" and c.gamma >= 4 for c in policy.choose([0, 1], [6, 6]).choices)
 
 
 def test_goodput_is_kept_per_batch_size():
@@ -721,21 +726,20 @@ def test_goodput_is_tokens_over_seconds_not_a_mean_of_step_ratios():
 def test_no_probe_where_even_a_perfect_draft_cannot_pay():
     """At a batch size where a verified row costs more than the best case of a costly drafter brings, it is
     not probed: the probe would only slow the step it runs in."""
-    policy = BanditPolicy(["costly"], max_gamma=4, seed=0, backoff=False)
-    policy.gamma_exploration = 0.0
+    policy = BanditPolicy(["costly"], max_gamma=4, seed=0, backoff=False, gamma_exploration=0.0)
     for n in range(16, 81, 8):  # verify: 1.2 ms a row, the batch making 400 tokens/s
-        policy.cost.observe_verify(n, 0.02 + 0.0012 * n)
-    policy.cost.observe_draft("costly", 4, 0.030, forwards=4)  # 6.5 ms a forward + 1 ms a row
-    policy.cost.observe_draft("costly", 64, 0.090, forwards=4)
-    policy.cost.goodput.add(400.0, 1.0)
-    policy.cost.goodput_at[1] = RatioEma(0.9)
-    policy.cost.goodput_at[1].add(60.0, 1.0)  # one slot makes 60 tokens/s
-    policy.pooled["costly"] = Beta(1.0 + 1, 1.0 + 1)
+        policy.state.cost.observe_verify(n, 0.02 + 0.0012 * n)
+    policy.state.cost.observe_draft("costly", 4, 0.030, forwards=4)  # 6.5 ms a forward + 1 ms a row
+    policy.state.cost.observe_draft("costly", 64, 0.090, forwards=4)
+    policy.state.cost.goodput.add(400.0, 1.0)
+    policy.state.cost.goodput_at[1] = RatioEma(0.9)
+    policy.state.cost.goodput_at[1].add(60.0, 1.0)  # one slot makes 60 tokens/s
+    policy.state.pooled["costly"] = Beta(1.0 + 1, 1.0 + 1)
     slots = list(range(16))
     for s in slots:
         policy.on_admit(s)
-    assert all(c.gamma == 0 for c in policy.choose(slots, [4] * 16))
-    assert policy.choose([0], [4])[0] == Choice("costly", 4)  # alone, with a goodput to match, it may pay
+    assert all(c.gamma == 0 for c in policy.choose(slots, [4] * 16).choices)
+    assert policy.choose([0], [4]).choices[0] == Choice("costly", 4)  # alone, with a goodput to match, it may pay
 
 
 def test_bursts_of_plain_decoding_cost_a_fixed_share_of_goodput_while_speculation_leads():
@@ -766,7 +770,7 @@ def test_spread_measures_how_much_requests_differ(kappa):
     """The method of moments recovers the strength of the Beta that requests' rates are drawn from (within the
     noise of 400 requests), reads requests that differ only by sampling as PRIOR_MAX, and keeps PRIOR_STRENGTH
     until SPREAD_REQUESTS requests are in."""
-    from spin_batch.selection.bandit import PRIOR_MAX, SPREAD_REQUESTS, Spread
+    from spin_batch.selection.arms import PRIOR_MAX, SPREAD_REQUESTS, Spread
 
     rng = random.Random(int(kappa))
     spread = Spread()
@@ -790,18 +794,18 @@ def test_one_rejection_does_not_turn_a_request_from_a_drafter_whose_requests_all
     Once finished requests show how little the copy's rate differs between them, its warm start weighs as much
     as that: the same rejection leaves the request's rate near the pool's."""
     policy = BanditPolicy(["copy", "cheap"], max_gamma=6, seed=0, backoff=False)
-    policy.pooled = {"copy": Beta(1 + 950, 1 + 50), "cheap": Beta(1 + 450, 1 + 550)}
+    policy.state.pooled = {"copy": Beta(1 + 950, 1 + 50), "cheap": Beta(1 + 450, 1 + 550)}
     rng = random.Random(0)
     for d, rate in (("copy", 0.95), ("cheap", 0.45)):
         for x, n in _beta_binomial_requests(rng, rate, 1e6, 40, 30):
-            policy.spread[d].add(x, n)
+            policy.state.spread[d].add(x, n)
     cold = BanditPolicy(["copy", "cheap"], max_gamma=6, seed=0, backoff=False)
-    cold.pooled = dict(policy.pooled)
+    cold.state.pooled = dict(policy.state.pooled)
     means = {}
     for name, p in (("measured", policy), ("unmeasured", cold)):
         p.on_admit(0)
-        p.learn([Outcome(0, Choice("copy", 6), 6, 0)], StepCosts({"verify": 0.02}, 7, {"copy": 0.03}, {"copy": 6}))
-        means[name] = p.requests[0].arms["copy"].mean
+        p.learn(StepChoice(()), [Outcome(0, Choice("copy", 6), 6, 0)], StepCosts({"verify": 0.02}, 7, {"copy": 0.03}, {"copy": 6}))
+        means[name] = p.state.requests[0].arms["copy"].mean
     assert means["unmeasured"] < 0.83 < 0.93 < means["measured"], means
 
 
@@ -810,11 +814,11 @@ def test_finished_requests_feed_the_spread_with_their_own_observations_only():
     takes its next request."""
     policy = BanditPolicy(["d"], max_gamma=4, seed=0, backoff=False)
     policy.on_admit(0)
-    policy.learn([Outcome(0, Choice("d", 4), 4, 2)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
-    policy.learn([Outcome(0, Choice("d", 4), 4, 4)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
-    assert policy.spread["d"].requests == 0
+    policy.learn(StepChoice(()), [Outcome(0, Choice("d", 4), 4, 2)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
+    policy.learn(StepChoice(()), [Outcome(0, Choice("d", 4), 4, 4)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
+    assert policy.state.spread["d"].requests == 0
     policy.on_admit(0)
-    spread = policy.spread["d"]
+    spread = policy.state.spread["d"]
     assert spread.requests == 1 and spread.x == 6 and spread.n == 7  # 2 + 4 accepted, one rejection
 
 
@@ -839,19 +843,19 @@ def test_a_gated_drafter_that_cannot_pay_in_the_best_case_is_not_probed():
     token (16 slots on a CPU whose verified rows cost as much as plain steps) every drafter was probed at the cap."""
     policy = BanditPolicy(["gated"], max_gamma=6, seed=0, backoff=False, gated=frozenset({"gated"}))
     for n in (16, 16, 16, 16):
-        policy.cost.observe_verify(n, 0.0016 * n)  # all of the step's time per row: a verified row costs a token
-    policy.cost.observe_draft("gated", 2, 0.0004)
-    policy.cost.goodput.add(16 / 0.0256, 1.0)
-    verify_price, lam = policy.pricing.prices(16)
+        policy.state.cost.observe_verify(n, 0.0016 * n)  # all of the step's time per row: a verified row costs a token
+    policy.state.cost.observe_draft("gated", 2, 0.0004)
+    policy.state.cost.goodput.add(16 / 0.0256, 1.0)
+    verify_price, lam = policy.state.pricing.prices(16)
     assert verify_price == pytest.approx(1.0)
     assert not policy._could_pay("gated", 16, 6, verify_price, lam)
-    policy.cost = CostModel()  # a cheap verified row: it could pay
-    policy.pricing.cost = policy.cost
+    policy.state.cost = CostModel()  # a cheap verified row: it could pay
+    policy.state.pricing.cost = policy.state.cost
     for n in (1, 4, 8, 16):
-        policy.cost.observe_verify(n, 0.02 + 0.0001 * n)
-    policy.cost.observe_draft("gated", 2, 0.0004)
-    policy.cost.goodput.add(100.0, 1.0)
-    assert policy._could_pay("gated", 16, 6, *policy.pricing.prices(16))
+        policy.state.cost.observe_verify(n, 0.02 + 0.0001 * n)
+    policy.state.cost.observe_draft("gated", 2, 0.0004)
+    policy.state.cost.goodput.add(100.0, 1.0)
+    assert policy._could_pay("gated", 16, 6, *policy.state.pricing.prices(16))
 
 
 def test_the_joint_choice_skips_solving_only_where_no_slot_could_draft():
@@ -892,7 +896,7 @@ def test_slots_join_a_drafter_at_twice_the_width_its_forwards_were_measured_at()
     cm.observe_draft("d", 8, 0.006, forwards=4)  # two slots together
     assert cm.joining("d") == 4
     policy = BanditPolicy(["d"], max_gamma=4, seed=0, backoff=False)
-    policy.cost.observe_draft("d", 2, 0.004, forwards=2)
+    policy.state.cost.observe_draft("d", 2, 0.004, forwards=2)
     joint = JointChoice(caps=[4] * 4, rates=[{"d": 0.9}] * 4, means=[{"d": a} for a in (0.5, 0.9, 0.7, 0.8)],
                         coeffs={"d": (0.002, 0.0)}, goes_on={"d": None}, verify_price=0.1, lam=100.0)
     picks = [("d", 4)] * 4

@@ -8,6 +8,7 @@ from click.testing import CliRunner
 from spin_batch import bench
 from spin_batch.cli import main
 from spin_batch.config import parse_job
+from spin_batch.selection.bandit import BanditPolicy
 from conftest import write_jsonl
 
 PROMPTS = ["the quick brown fox", "red green blue red green", "def add(a, b):", "once upon a time", "12 12 12"]
@@ -219,7 +220,7 @@ def test_spin_nogate_turns_the_confidence_gate_off(job, monkeypatch):
     runs = bench.run_bench(job, ["autoregressive", "spin", "spin-nogate"], [2], limit=None, repeat=1, progress=False)
     assert bench.mismatches(runs) == []
     # spin gives both drafters (a model and an n-gram drafter) a confidence floor; spin-nogate none
-    assert [p.gated for p in made if hasattr(p, "gated")] == [frozenset({"exit2", "ngram"}), frozenset()]
+    assert [p.settings.gated for p in made if isinstance(p, BanditPolicy)] == [frozenset({"exit2", "ngram"}), frozenset()]
 
 
 def test_warmup_passes_run_every_loop_method_untimed_first(job, monkeypatch):

@@ -27,7 +27,7 @@ from spin_batch.models.spec import CheckpointError, UnsupportedModelError
 from spin_batch.records import Completion, Request
 from spin_batch.sampling import SamplingParams
 from spin_batch.selection.fixed import FixedDrafter, NoSpeculation
-from spin_batch.selection.policy import Policy
+from spin_batch.selection.policy import Policy, StepChoice
 from spin_batch.stats import RunStats
 
 from conftest import Cycle
@@ -241,7 +241,7 @@ def test_tree_choices_become_chains_on_this_backend(spec_models):
 
     class Trees(Cycle):
         def choose(self, slots, caps):
-            return [replace(c, nodes=6) for c in super().choose(slots, caps)]
+            return StepChoice.of([replace(c, nodes=6) for c in super().choose(slots, caps).choices])
 
     stats = RunStats()
     assert run(target, 3, SPEC_PROMPTS, Trees(list(drafters)), drafters, cache, budget=16, stats=stats) == want

@@ -21,7 +21,7 @@ from spin_batch.models.segments import Segments
 from spin_batch.records import Completion, Request, RowParams
 from spin_batch.sampling import SamplingParams
 from spin_batch.selection.fixed import NoSpeculation
-from spin_batch.selection.policy import NO_SPEC, Choice, Policy
+from spin_batch.selection.policy import NO_SPEC, Choice, Policy, StepChoice
 
 from test_spec_equality import (MAX_TOKENS, PROMPTS, MixedGamma, early_exit_all, self_model,  # noqa: F401
                                 target)
@@ -38,7 +38,7 @@ class EveryKind(Policy):
     def __init__(self, names: list[str], trees: bool):
         self.names, self.trees, self.t = names, trees, 0
 
-    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
+    def choose(self, slots: list[int], caps: list[int]) -> StepChoice:
         self.t += 1
         out = []
         for s, cap in zip(slots, caps):
@@ -46,7 +46,7 @@ class EveryKind(Policy):
             gamma, name = min(k % 5, cap), self.names[k % len(self.names)]
             nodes = 2 + k % 8 if self.trees and (s + 2 * self.t) % 3 == 2 else 0
             out.append(Choice(name, gamma, 0.0, nodes) if gamma else NO_SPEC)
-        return out
+        return StepChoice.of(out)
 
 
 def drafters(model, cache, slots, draft_dir) -> dict:

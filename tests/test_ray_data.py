@@ -74,9 +74,9 @@ def test_predictor_matches_spin_batch_run_and_keeps_rows_in_order(tmp_path, tiny
         assert r["text"] == want[r["id"]], r["id"]
         assert 1 <= r["completion_tokens"] <= 12
     # the second batch was a stream of its own: its drain ended when the batch did
-    assert pred.engine.loop.policy.draining is True
+    assert pred.engine.loop.policy.state.draining is True
     pred.engine.loop.policy.on_stream()
-    assert pred.engine.loop.policy.draining is False
+    assert pred.engine.loop.policy.state.draining is False
 
 
 def test_bad_rows_become_error_rows_and_the_batch_goes_on(tiny_dir):

@@ -120,7 +120,8 @@ def simulate(selector: str, pool: str, slots: int, steps: int, options: dict) ->
             stream()
         decoding = sorted(requests)
         caps = [max(0, min(CAP + 2, requests[s]["left"] - 1)) for s in decoding]
-        choices = policy.choose(decoding, caps)
+        step = policy.choose(decoding, caps)
+        choices = step.choices
         record.append(" ".join(f"{s}:{c.drafter or '-'}/{c.gamma}/{c.nodes}/{c.min_prob!r}"
                                for s, c in zip(decoding, choices)))
         outcomes, rows = [], []
@@ -159,7 +160,7 @@ def simulate(selector: str, pool: str, slots: int, steps: int, options: dict) ->
             verify = round(c0 + c1 * tokens + 0.002 * rng.random(), 9)
             stages = {"select": 0.0002, "draft": sum(draft_s.values()), "verify": verify, "accept": 0.0003,
                       "commit": 0.0001}
-            policy.learn([outcomes[i] for i in half], StepCosts(stages, tokens, draft_s, ran, forwards))
+            policy.learn(step, [outcomes[i] for i in half], StepCosts(stages, tokens, draft_s, ran, forwards))
         for s, o in zip(decoding, outcomes):
             requests[s]["left"] -= o.accepted + 1
             if requests[s]["left"] <= 0:

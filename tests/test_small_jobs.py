@@ -35,7 +35,7 @@ def test_a_job_with_fewer_rows_than_slots_tries_probes_and_then_drafts(slots):
     drain drafts for every slot with the drafter that pays (before: 0 drafts in the whole job)."""
     world = World({"good": 0.85, "poor": 0.2}, {"good": 0.0005, "poor": 0.0002}, c0=0.03, c1=0.001)
     policy, steps = drain_from_the_start(world, ["poor", "good"], slots, steps=40)
-    assert policy.pulls["good"] >= PROBE_PULLS and policy.pulls["poor"] >= 1
+    assert policy.state.pulls["good"] >= PROBE_PULLS and policy.state.pulls["poor"] >= 1
     first = steps[0]  # both unmeasured: one slot each, short drafts
     assert Counter(c.drafter for c in first if c.drafter) == {"poor": 1, "good": 1}
     assert all(c.gamma <= 2 for c in first if c.drafter)
@@ -65,7 +65,7 @@ def test_the_drain_drafts_as_soon_as_its_probes_are_in():
     world = World({"good": 0.9}, {"good": 0.0005}, c0=0.03, c1=0.001)
     policy, steps = drain_from_the_start(world, ["good"], 3, steps=8, backoff=False)
     assert [sum(c.drafter is not None for c in step) for step in steps[:2]] == [1, 0]  # first trial; verify unfit
-    assert policy.pulls["good"] >= PROBE_PULLS
+    assert policy.state.pulls["good"] >= PROBE_PULLS
     assert all(c.drafter == "good" and c.gamma > 0 for step in steps[3:] for c in step)
 
 
@@ -74,7 +74,7 @@ def test_the_drain_still_drafts_nothing_where_speculation_does_not_pay():
     world = World({"d": 0.6}, {"d": 0.001}, c0=0.01, c1=0.02)
     policy, steps = drain_from_the_start(world, ["d"], 16, steps=40)
     assert all(sum(c.drafter is not None for c in step) <= 1 for step in steps)
-    assert policy.pulls["d"] == PROBE_PULLS
+    assert policy.state.pulls["d"] == PROBE_PULLS
     assert all(c.drafter is None for step in steps[2 * PROBE_PULLS:] for c in step)
 
 

@@ -19,7 +19,7 @@ from spin_batch.drafters.model import ModelDrafter
 from spin_batch.drafters.ngram import NgramDrafter, lookup
 from spin_batch.engine.loop import BatchLoop, LoopSettings
 from spin_batch.selection.fixed import FixedDrafter, NoSpeculation
-from spin_batch.selection.policy import Choice, Policy
+from spin_batch.selection.policy import Choice, Policy, StepChoice
 from spin_batch.sampling import SamplingParams
 from spin_batch.records import Completion, Request
 from spin_batch.models import execution
@@ -65,7 +65,7 @@ class MixedGamma(Policy):
         self.max_gamma = max_gamma
         self.t = 0
 
-    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
+    def choose(self, slots: list[int], caps: list[int]) -> StepChoice:
         self.t += 1
         out = []
         for s, cap in zip(slots, caps):
@@ -73,7 +73,7 @@ class MixedGamma(Policy):
             g = min(k % (self.max_gamma + 1), cap)
             name = self.names[(k // (self.max_gamma + 1)) % len(self.names)]
             out.append(Choice(name, g) if g else Choice(None, 0))
-        return out
+        return StepChoice.of(out)
 
 
 @pytest.fixture(scope="module", params=["c", "torch"])
@@ -282,8 +282,8 @@ class GatedFixed(Policy):
     def __init__(self, name: str, floor: float):
         self.name, self.floor = name, floor
 
-    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
-        return [Choice(self.name, min(5, c), self.floor) if c else Choice(None, 0) for c in caps]
+    def choose(self, slots: list[int], caps: list[int]) -> StepChoice:
+        return StepChoice.of([Choice(self.name, min(5, c), self.floor) if c else Choice(None, 0) for c in caps])
 
 
 @pytest.mark.parametrize("slots", [1, 8])

@@ -21,7 +21,7 @@ from spin_batch.engine.tree_verify import DraftTree
 from spin_batch.models.distilled import TargetFeatures, load_draft
 from spin_batch.records import Request, RowParams
 from spin_batch.sampling import SamplingParams
-from spin_batch.selection.policy import NO_SPEC, Choice, Policy
+from spin_batch.selection.policy import NO_SPEC, Choice, Policy, StepChoice
 
 from test_spec_equality import (MAX_TOKENS, PROMPTS, early_exit_1, early_exit_all, make_loop,  # noqa: F401
                                 ngram, other_model_factory, reference, run, self_model, target)
@@ -67,7 +67,7 @@ class TreeShapes(Policy):
     def __init__(self, names: list[str]):
         self.names, self.t = names, 0
 
-    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
+    def choose(self, slots: list[int], caps: list[int]) -> StepChoice:
         self.t += 1
         out = []
         for s, cap in zip(slots, caps):
@@ -77,7 +77,7 @@ class TreeShapes(Policy):
                 out.append(NO_SPEC)
             else:
                 out.append(Choice(name, min(1 + k % 4, cap), 0.0, 2 + k % 8 if shape == 2 else 0))
-        return out
+        return StepChoice.of(out)
 
 
 def watch_plans(loop: BatchLoop) -> dict[str, int]:

@@ -56,8 +56,20 @@ class Proposal:
         return None if self.parents is None else self.parents[i]
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a drafter does beyond proposing chains, declared for the policy that chooses for it
+    (selection.factory.make_policy): the confidence floor and token trees."""
+
+    gates: bool = False  # honours DraftRequest.min_prob (a drafter that knows its own distribution)
+    trees: bool = False  # may answer DraftRequest.nodes with a token tree (Proposal.parents)
+
+
 class Drafter(ABC):
-    """A source of draft tokens. Per-slot state, if any, is keyed by the batch slot index."""
+    """A source of draft tokens. Per-slot state, if any, is keyed by the batch slot index.
+
+    A drafter declares what it can do in `gates` and `trees` (per class, or per instance where it depends on
+    what it wraps); the policy reads them as `capabilities`."""
 
     kind: str = ""
     gates = False  # honours DraftRequest.min_prob (a drafter that knows its own distribution)
@@ -68,6 +80,10 @@ class Drafter(ABC):
 
     def __init__(self, name: str):
         self.name = name
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(self.gates, self.trees)
 
     @abstractmethod
     def propose(self, reqs: list[DraftRequest]) -> Proposal: ...

@@ -1,6 +1,7 @@
 """The batch loop: B fixed slots, refilled from the request stream, one packed forward per step.
 
-step() calls the named stages in order: select, draft, verify, accept, commit, learn. The
+step() calls the named stages in order: select, draft, verify, accept, commit, learn (the
+pipeline, two micro-batches overlapping one's draft with the other's verify, is _pipeline). The
 verify forward is the single target forward of the step: it carries every decoding slot's
 segment (last committed token + its drafts) and the prefill chunks of newly admitted
 requests, under a per-step token budget.
@@ -20,7 +21,7 @@ from ..models.cache import KVCache
 from ..models.protocol import TargetModel
 from ..models.segments import Segments
 from ..stats import RunStats
-from ..selection.policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
+from ..selection.policy import NO_SPEC, Choice, Outcome, Policy, StepChoice, StepCosts
 from ..records import Completion, Request
 from ..sampling import SamplingParams
 from .logprobs import Scored, TokenTexts, prompt_rows, score_new_tokens, score_prompts
@@ -36,6 +37,8 @@ from .verify import Verdict, accept_drafts
 
 
 REUSE_WINDOW = 2  # with a prefix cache, requests read ahead to order for reuse: this many per slot
+
+MicroBatch = tuple[list[Slot], list[Choice]]  # decoding slots and their choices, verified in one target forward
 
 
 class BatchLoop:
@@ -112,48 +115,73 @@ class BatchLoop:
     def step(self) -> list[Completion]:
         """Advance every active slot by one verified segment; return the requests it finished.
 
-        Without the pipeline: one micro-batch, so one packed target forward. With it, the
-        decoding slots form two micro-batches balanced by tokens; the second one drafts while
-        the first one verifies (on CUDA, on a side stream; on CPU, the same order sequentially).
+        select, draft, then verify, accept, commit and learn (_finish_batch). With the pipeline on and
+        a slot drafting, the decoding slots form two micro-batches instead (_pipeline).
         """
         times: dict[str, float] = {}
         t = time.perf_counter()
         decode = [s for s in self.active if s.decoding]
-        choices = self.select(decode)
-        for s, c in zip(decode, choices):
-            s.pulls[c.drafter or "none"] += 1
+        chosen = self.select(decode)
         t = _lap(times, "select", t)
-        groups = self._micro_batches(decode, choices)
-        proposal, draft_s = self.draft(*groups[0])
-        t = _lap(times, "draft", t)
-        for i, (mb, mb_choices) in enumerate(groups):
-            plan = self.plan(mb, proposal.tokens, prefill=i == 0, trees=proposal.parents)
-            overlap = self._overlap_begin() if i + 1 < len(groups) else None
-            logits = self.verify(plan)
-            logits = score_prompts(plan.prompt, logits) if plan.prompt else logits
-            t = _lap(times, "verify", t)
-            nxt_times: dict[str, float] = {}
-            if overlap is not None:  # the next micro-batch drafts while this one verifies
-                with overlap:
-                    nxt = self.draft(*groups[i + 1])
-                t = _lap(nxt_times, "draft", t)
-            verdict = self.accept(plan, proposal, logits)
-            served = plan.decode + plan.finishing
-            scored = score_new_tokens(logits, [s.ask for s in served], [s.sp for s in served], plan.drafts, verdict)
-            t = _lap(times, "accept", t)
-            self._charge(plan, sum(times.values()))
-            generated = self.commit(plan, verdict, scored)
-            t = _lap(times, "commit", t)
-            self._learn(plan, mb_choices, verdict, draft_s, times)
-            t = _lap(times, "learn", t)
-            self.stats.observe(step_record(plan, mb_choices, verdict, generated, times))
-            if overlap is not None:
-                self._overlap_end()
-                (proposal, draft_s), times = nxt, nxt_times
+        batches = self._micro_batches(decode, list(chosen.choices))
+        if len(batches) == 1:
+            proposal, draft_s = self.draft(*batches[0])
+            t = _lap(times, "draft", t)
+            self._finish_batch(batches[0], chosen, proposal, draft_s, times, t)
+        else:
+            self._pipeline(batches, chosen, times, t)
         done, self.finished = self.finished, []
         return done
 
-    def _micro_batches(self, decode: list[Slot], choices: list[Choice]) -> list[tuple[list[Slot], list[Choice]]]:
+    def _pipeline(self, batches: list[MicroBatch], chosen: StepChoice, times: dict[str, float], t: float) -> None:
+        """The step as two micro-batches balanced by tokens: the second one drafts while the first one verifies
+        (on CUDA, on a side stream; on CPU, the same order sequentially). Each micro-batch is a packed target
+        forward of its own (the prefill chunks ride with the first), and learns and is recorded on its own."""
+        first, second = batches
+        proposal, draft_s = self.draft(*first)
+        t = _lap(times, "draft", t)
+        second_times: dict[str, float] = {}
+
+        def draft_second() -> tuple[Proposal, dict[str, float]]:
+            t0 = time.perf_counter()
+            drafted = self.draft(*second)
+            _lap(second_times, "draft", t0)
+            return drafted
+
+        t, drafted = self._finish_batch(first, chosen, proposal, draft_s, times, t, during_verify=draft_second)
+        self._overlap_end()
+        self._finish_batch(second, chosen, *drafted, second_times, t, prefill=False)
+
+    def _finish_batch(self, batch: MicroBatch, chosen: StepChoice, proposal: Proposal, draft_s: dict[str, float],
+                      times: dict[str, float], t: float, prefill: bool = True,
+                      during_verify: Callable[[], tuple[Proposal, dict[str, float]]] | None = None) -> tuple:
+        """Verify one micro-batch's drafts (and the step's prefill chunks, where `prefill`), accept, commit, learn
+        and record it. during_verify: the pipeline's next draft, run on the side stream once this verify is
+        launched (timed on its own). Returns the clock and what during_verify returned."""
+        decode, choices = batch
+        plan = self.plan(decode, proposal.tokens, prefill=prefill, trees=proposal.parents)
+        side = self._overlap_begin() if during_verify is not None else None
+        logits = self.verify(plan)
+        logits = score_prompts(plan.prompt, logits) if plan.prompt else logits
+        t = _lap(times, "verify", t)
+        during = None
+        if side is not None:
+            with side:
+                during = during_verify()
+            t = time.perf_counter()
+        verdict = self.accept(plan, proposal, logits)
+        served = plan.decode + plan.finishing
+        scored = score_new_tokens(logits, [s.ask for s in served], [s.sp for s in served], plan.drafts, verdict)
+        t = _lap(times, "accept", t)
+        self._charge(plan, sum(times.values()))
+        generated = self.commit(plan, verdict, scored)
+        t = _lap(times, "commit", t)
+        self._learn(plan, chosen, choices, verdict, draft_s, times)
+        t = _lap(times, "learn", t)
+        self.stats.observe(step_record(plan, choices, verdict, generated, times))
+        return t, during
+
+    def _micro_batches(self, decode: list[Slot], choices: list[Choice]) -> list[MicroBatch]:
         """One micro-batch, or two balanced by verify tokens (1 + gamma) when the pipeline is on.
 
         A step in which no slot drafts stays whole: with nothing to overlap, a second micro-batch
@@ -193,8 +221,10 @@ class BatchLoop:
         if self._side_stream is not None:
             torch.cuda.current_stream().wait_stream(self._side_stream)
 
-    def _learn(self, plan: Plan, choices: list[Choice], verdict: Verdict, draft_s: dict[str, float],
-               times: dict[str, float]) -> None:
+    def _learn(self, plan: Plan, chosen: StepChoice, choices: list[Choice], verdict: Verdict,
+               draft_s: dict[str, float], times: dict[str, float]) -> None:
+        """The policy learns what its choices for this micro-batch's slots (`choices`, of the step's record
+        `chosen`) produced and cost."""
         # a tree counts as the chain of its depth: the policy prices chains (accepted of drafted)
         reach = [_reach(d, t) for d, t in zip(plan.drafts, plan.trees)]
         outcomes = [Outcome(s.index, c, n, k) for s, c, n, k in zip(plan.decode, choices, reach, verdict.accepted)]
@@ -208,14 +238,20 @@ class BatchLoop:
                 n = min(n + 1, c.gamma)
                 ran[c.drafter] += n
                 forwards[c.drafter] = max(forwards.get(c.drafter, 0), n)
-        self.policy.learn(outcomes, StepCosts(dict(times), plan.seg.num_tokens, draft_s, dict(ran), forwards,
+        self.policy.learn(chosen, outcomes, StepCosts(dict(times), plan.seg.num_tokens, draft_s, dict(ran), forwards,
                                               sum(n for _, n in plan.chunks)))
 
-    def select(self, decode: list[Slot]) -> list[Choice]:
+    def select(self, decode: list[Slot]) -> StepChoice:
+        """The step's record of choices (selection/policy.py): the policy's, or plain decoding without drafters.
+        Each slot counts its pull."""
         caps = [self._gamma_cap(s) for s in decode]
         if not self.drafters:
-            return [NO_SPEC for _ in decode]
-        return self.policy.choose([s.index for s in decode], caps)
+            chosen = StepChoice.of([NO_SPEC for _ in decode])
+        else:
+            chosen = self.policy.choose([s.index for s in decode], caps)
+        for s, c in zip(decode, chosen.choices):
+            s.pulls[c.drafter or "none"] += 1
+        return chosen
 
     def draft(self, decode: list[Slot], choices: list[Choice]) -> tuple[Proposal, dict[str, float]]:
         """Each chosen drafter proposes for its slots, batched; returns the proposal and seconds per drafter."""
@@ -250,9 +286,11 @@ class BatchLoop:
         return Proposal(tokens, probs, parents), seconds
 
     def _tree_budget(self, s: Slot, c: Choice, drafter: Drafter) -> int:
-        """The tree nodes a slot may draft: the choice's budget where drafter and target do trees, within the
-        context (a tree of n nodes needs n cache rows past the committed tokens)."""
-        if c.nodes <= 1 or not drafter.trees or not self.tree_segments:
+        """The tree nodes a slot may draft: the choice's budget (decided by the policy, selection.factory.
+        tree_drafters), fitted to the context (a tree of n nodes needs n cache rows past the committed tokens).
+        A choice beyond what the drafter and the target declare (a policy that runs what it is told) drafts a
+        chain."""
+        if c.nodes <= 1 or not drafter.capabilities.trees or not self.tree_segments:
             return 0
         return min(c.nodes, self.cfg.max_model_len - len(s.tokens))
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections import Counter
 
 from .costs import Pricing
-from .policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
+from .policy import NO_SPEC, Choice, Outcome, Policy, StepChoice, StepCosts
 
 
 class NoSpeculation(Policy):
-    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
-        return [NO_SPEC for _ in slots]
+    def choose(self, slots: list[int], caps: list[int]) -> StepChoice:
+        return StepChoice.of([NO_SPEC for _ in slots])
 
 
 def fixed_choices(names: list[str | None], caps: list[int], gamma: int, pricing: Pricing | None = None,
@@ -49,10 +49,10 @@ class FixedDrafter(Policy):
         self.pricing = pricing
         self.trees = {drafter: nodes} if nodes > 1 else {}
 
-    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
-        return fixed_choices([self.drafter] * len(slots), caps, self.gamma, self.pricing, self.trees)
+    def choose(self, slots: list[int], caps: list[int]) -> StepChoice:
+        return StepChoice.of(fixed_choices([self.drafter] * len(slots), caps, self.gamma, self.pricing, self.trees))
 
-    def learn(self, outcomes: list[Outcome], costs: StepCosts) -> None:
+    def learn(self, step: StepChoice, outcomes: list[Outcome], costs: StepCosts) -> None:
         if self.pricing is not None:
             self.pricing.learn(outcomes, costs)
 
@@ -65,7 +65,7 @@ class RoundRobin(Policy):
         self.gamma = gamma
         self._turn = 0
 
-    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
+    def choose(self, slots: list[int], caps: list[int]) -> StepChoice:
         self._turn += 1
-        return [Choice(self.drafters[(self._turn + s) % len(self.drafters)], min(self.gamma, c)) if c else NO_SPEC
-                for s, c in zip(slots, caps)]
+        return StepChoice.of([Choice(self.drafters[(self._turn + s) % len(self.drafters)], min(self.gamma, c))
+                              if c else NO_SPEC for s, c in zip(slots, caps)])

@@ -1,5 +1,9 @@
-"""The selection interface the engine sees: Policy, the Choice it makes per slot, and the Outcome and
-StepCosts it learns from. A leaf: the policies import it, it imports none of them."""
+"""The selection interface the engine sees: Policy, the Choice it makes per slot, the StepChoice record of a
+step's choices that choose() returns and learn() takes back, and the Outcome and StepCosts it learns from. A
+leaf: the policies import it, it imports none of them.
+
+Data in, data out: a policy keeps what it has learnt between steps, never what one step's choose() left for
+its learn(); that travels in the StepChoice, which the loop hands back with the step's outcomes."""
 
 from __future__ import annotations
 
@@ -16,6 +20,43 @@ class Choice:
 
 
 NO_SPEC = Choice(None, 0)
+
+
+@dataclass(frozen=True)
+class GateStep:
+    """What a StepGate decided for a step: at how many decoding slots, and its mode (gate.StepGate.decide)."""
+
+    slots: int
+    mode: bool
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A slot's draft as the joint choice priced it: its drafter, among how many decoding slots, and the
+    draft tokens it was predicted to gain at the posterior mean, uncalibrated (bandit.Calibration)."""
+
+    slot: int
+    drafter: str
+    slots: int
+    tokens: float
+
+
+@dataclass(frozen=True)
+class StepChoice:
+    """One step's choices, and what the policy that made them reads back in learn(): the record of the step.
+
+    choices: one per decoding slot, in the order choose() was given them. The rest is the bandit's (empty for
+    the policies that run what they are told): the back-off gate's decision (None: no back-off), the tree
+    gate's (None: no drafter grows trees, or the step drafted nothing), and the joint choice's predictions."""
+
+    choices: tuple[Choice, ...]
+    gate: GateStep | None = None
+    tree: GateStep | None = None
+    predicted: tuple[Prediction, ...] = ()
+
+    @staticmethod
+    def of(choices: list[Choice]) -> StepChoice:
+        return StepChoice(tuple(choices))
 
 
 @dataclass
@@ -46,8 +87,8 @@ class Policy(ABC):
     """Chooses every decoding slot's drafter and gamma at each step, and learns from what the step did."""
 
     @abstractmethod
-    def choose(self, slots: list[int], caps: list[int]) -> list[Choice]:
-        """One choice per slot; caps[i] bounds gamma for slot i (context and max_tokens room)."""
+    def choose(self, slots: list[int], caps: list[int]) -> StepChoice:
+        """The step's record: one choice per slot; caps[i] bounds gamma for slot i (context and max_tokens room)."""
 
     def on_admit(self, slot: int, req_id: str | None = None) -> None:
         """A new request took `slot` (req_id: its id, for policies keyed by request)."""
@@ -58,5 +99,6 @@ class Policy(ABC):
     def on_drain(self) -> None:
         """The request stream is done: the slots in flight are the last ones (see bandit.BanditPolicy)."""
 
-    def learn(self, outcomes: list[Outcome], costs: StepCosts) -> None:
-        """What the step just run produced and cost."""
+    def learn(self, step: StepChoice, outcomes: list[Outcome], costs: StepCosts) -> None:
+        """What the step chosen as `step` produced and cost (with the pipeline, once per micro-batch: the
+        outcomes of its slots, the same record each time)."""
