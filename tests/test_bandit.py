@@ -17,6 +17,8 @@ from spin_batch.selection.factory import make_policy
 from spin_batch.selection.joint import JointChoice, expected_gain
 from spin_batch.selection.policy import Choice, Outcome, StepChoice, StepCosts
 
+NO_STEP = StepChoice(())  # the record of a step learnt from without a choose() of its own
+
 
 class World:
     """Slots whose drafters accept each token with a fixed probability; costs are linear."""
@@ -76,8 +78,8 @@ class World:
         verify = self.c0 + self.c1 * tokens
         other = self.spec_overhead if draft_tokens else 0.0
         self.seconds += verify + sum(draft_s.values()) + other
-        policy.learn(step, outcomes, StepCosts({"select": other, "draft": sum(draft_s.values()), "verify": verify}, tokens,
-                                         draft_s, draft_tokens, forwards))
+        stages = {"select": other, "draft": sum(draft_s.values()), "verify": verify}
+        policy.learn(step, outcomes, StepCosts(stages, tokens, draft_s, draft_tokens, forwards))
         return choices
 
 
@@ -582,7 +584,7 @@ def test_a_requests_prior_follows_the_pool_until_it_drafts_with_the_drafter():
     policy.choose([0], [4])
     arm = policy.state.requests[0].arms["d"]
     assert arm.n == pytest.approx(PRIOR_STRENGTH) and arm.mean == pytest.approx(96 / 102)
-    policy.learn(StepChoice(()), [Outcome(0, Choice("d", 4), 4, 1)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
+    policy.learn(NO_STEP, [Outcome(0, Choice("d", 4), 4, 1)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
     policy.state.pooled["d"] = Beta(1.0 + 900, 1.0 + 100)
     policy.choose([0], [4])
     arm = policy.state.requests[0].arms["d"]
@@ -598,7 +600,7 @@ def test_tokens_accepted_past_gamma_count_as_the_whole_chain_asked_for():
     policy.on_admit(0)
     policy.choose([0], [4])
     before = policy.state.pooled["d"].alpha, policy.state.pooled["d"].beta
-    policy.learn(StepChoice(()), [Outcome(0, Choice("d", 4), 7, 6)], StepCosts({"verify": 0.01}, 8, {"d": 0.001}, {"d": 4}))
+    policy.learn(NO_STEP, [Outcome(0, Choice("d", 4), 7, 6)], StepCosts({"verify": 0.01}, 8, {"d": 0.001}, {"d": 4}))
     assert (policy.state.pooled["d"].alpha, policy.state.pooled["d"].beta) == (before[0] + 4, before[1])
     assert policy.state.requests[0].own["d"].alpha == 4 and policy.state.requests[0].own["d"].beta == 0
     assert policy.state.cost.goodput.value == pytest.approx(7 / 0.01)  # 6 accepted and the bonus, in the step's time
@@ -694,7 +696,8 @@ def test_a_measured_drafter_is_probed_at_the_cap_for_a_few_steps():
         step = policy.choose([0, 1], [6, 3])
         picks = step.choices
         assert picks[0] == Choice("costly", 6)  # slot 1 is the joint choice's
-        policy.learn(step, [Outcome(0, picks[0], 6, 6)], StepCosts({"verify": 0.0235}, 7, {"costly": 0.012}, {"costly": 6}))
+        policy.learn(step, [Outcome(0, picks[0], 6, 6)],
+                     StepCosts({"verify": 0.0235}, 7, {"costly": 0.012}, {"costly": 6}))
         probes += 1
     assert probes == PROBE_PULLS - 1
     assert policy.state.pooled["costly"].mean > 0.85
@@ -804,7 +807,8 @@ def test_one_rejection_does_not_turn_a_request_from_a_drafter_whose_requests_all
     means = {}
     for name, p in (("measured", policy), ("unmeasured", cold)):
         p.on_admit(0)
-        p.learn(StepChoice(()), [Outcome(0, Choice("copy", 6), 6, 0)], StepCosts({"verify": 0.02}, 7, {"copy": 0.03}, {"copy": 6}))
+        p.learn(NO_STEP, [Outcome(0, Choice("copy", 6), 6, 0)],
+                StepCosts({"verify": 0.02}, 7, {"copy": 0.03}, {"copy": 6}))
         means[name] = p.state.requests[0].arms["copy"].mean
     assert means["unmeasured"] < 0.83 < 0.93 < means["measured"], means
 
@@ -814,8 +818,8 @@ def test_finished_requests_feed_the_spread_with_their_own_observations_only():
     takes its next request."""
     policy = BanditPolicy(["d"], max_gamma=4, seed=0, backoff=False)
     policy.on_admit(0)
-    policy.learn(StepChoice(()), [Outcome(0, Choice("d", 4), 4, 2)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
-    policy.learn(StepChoice(()), [Outcome(0, Choice("d", 4), 4, 4)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
+    policy.learn(NO_STEP, [Outcome(0, Choice("d", 4), 4, 2)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
+    policy.learn(NO_STEP, [Outcome(0, Choice("d", 4), 4, 4)], StepCosts({"verify": 0.01}, 5, {"d": 0.001}, {"d": 4}))
     assert policy.state.spread["d"].requests == 0
     policy.on_admit(0)
     spread = policy.state.spread["d"]
@@ -922,3 +926,44 @@ def test_slots_that_could_not_draft_are_left_out_and_the_choice_is_unchanged():
             compared += open_slots != set(range(n))
             assert pruned.solve(open_slots) == whole.solve()
     assert compared > 30, compared
+
+
+def test_tree_budgets_follow_declared_capabilities_and_the_target():
+    """make_policy decides a job's tree budgets once: for the gated drafters that declare trees
+    (Drafter.capabilities), and none where the target verifies no tree segments (the transformers backend)."""
+    from spin_batch.drafters.base import Capabilities, Drafter
+
+    class Declared(Drafter):
+        def __init__(self, name: str, gates: bool, trees: bool):
+            super().__init__(name)
+            self.gates, self.trees = gates, trees
+
+        def propose(self, reqs):
+            raise AssertionError
+
+    pool = {"tree": Declared("tree", True, True), "chain": Declared("chain", True, False),
+            "ungated": Declared("ungated", False, True)}
+    assert pool["tree"].capabilities == Capabilities(gates=True, trees=True)
+    policy = make_policy("ucb", pool, 4, tree_nodes=8)
+    assert policy.settings.gated == {"tree", "chain"} and policy.settings.trees == {"tree": 8}
+    assert policy.state.tree_gates is not None
+    flat = make_policy("ucb", pool, 4, tree_nodes=8, target_trees=False)
+    assert flat.settings.trees == {} and flat.state.tree_gates is None
+    assert make_policy("fixed:tree", pool, 4, tree_nodes=8, target_trees=False).trees == {}
+    assert make_policy("fixed:tree", pool, 4, tree_nodes=8).trees == {"tree": 8}
+
+
+def test_learn_reads_the_record_it_is_given():
+    """learn() takes the step's record back: a record chosen earlier is learnt from as it was chosen, whatever
+    was chosen since (the calibration of its joint choice's picks at its batch size)."""
+    world = World({"d": 0.8}, {"d": 0.001}, c0=0.02, c1=0.0005)
+    policy = BanditPolicy(["d"], max_gamma=6, seed=0, backoff=False, gamma_exploration=0.0)
+    run_requests(policy, world, n_requests=4, steps_per_request=30, slots=2)
+    first = policy.choose([0], [6])
+    assert [p.slot for p in first.predicted] == [0] and first.choices[0].drafter == "d"
+    later = policy.choose([0, 1], [6, 6])
+    assert later.predicted and all(p.slots == 2 for p in later.predicted)
+    assert ("d", 1) not in policy.state.calibration  # two slots all along
+    policy.learn(first, [Outcome(0, first.choices[0], first.choices[0].gamma, 0)],
+                 StepCosts({"verify": 0.02}, 7, {"d": 0.006}, {"d": 6}))
+    assert policy.state.calibration[("d", 1)].predicted == pytest.approx(first.predicted[0].tokens)

@@ -32,13 +32,13 @@ from .prefill_share import PrefillShare, SampleGroup, reuse_order, sample_genera
 from .prefix_cache import PrefixCache
 from .stopping import Stopping, StopRule
 from .tree_verify import DraftTree, accept_trees
-from .slot import Plan, Slot, step_record
+from .slot import MicroBatch, Plan, Slot, micro_batches, step_record
 from .verify import Verdict, accept_drafts
 
 
 REUSE_WINDOW = 2  # with a prefix cache, requests read ahead to order for reuse: this many per slot
+Drafted = tuple[Proposal, dict[str, float]]  # a micro-batch's proposal and its seconds per drafter (draft)
 
-MicroBatch = tuple[list[Slot], list[Choice]]  # decoding slots and their choices, verified in one target forward
 
 
 class BatchLoop:
@@ -123,7 +123,7 @@ class BatchLoop:
         decode = [s for s in self.active if s.decoding]
         chosen = self.select(decode)
         t = _lap(times, "select", t)
-        batches = self._micro_batches(decode, list(chosen.choices))
+        batches = micro_batches(decode, list(chosen.choices), self.cfg.pipeline)
         if len(batches) == 1:
             proposal, draft_s = self.draft(*batches[0])
             t = _lap(times, "draft", t)
@@ -142,7 +142,7 @@ class BatchLoop:
         t = _lap(times, "draft", t)
         second_times: dict[str, float] = {}
 
-        def draft_second() -> tuple[Proposal, dict[str, float]]:
+        def draft_second() -> Drafted:
             t0 = time.perf_counter()
             drafted = self.draft(*second)
             _lap(second_times, "draft", t0)
@@ -154,7 +154,7 @@ class BatchLoop:
 
     def _finish_batch(self, batch: MicroBatch, chosen: StepChoice, proposal: Proposal, draft_s: dict[str, float],
                       times: dict[str, float], t: float, prefill: bool = True,
-                      during_verify: Callable[[], tuple[Proposal, dict[str, float]]] | None = None) -> tuple:
+                      during_verify: Callable[[], Drafted] | None = None) -> tuple[float, Drafted | None]:
         """Verify one micro-batch's drafts (and the step's prefill chunks, where `prefill`), accept, commit, learn
         and record it. during_verify: the pipeline's next draft, run on the side stream once this verify is
         launched (timed on its own). Returns the clock and what during_verify returned."""
@@ -180,25 +180,6 @@ class BatchLoop:
         t = _lap(times, "learn", t)
         self.stats.observe(step_record(plan, choices, verdict, generated, times))
         return t, during
-
-    def _micro_batches(self, decode: list[Slot], choices: list[Choice]) -> list[MicroBatch]:
-        """One micro-batch, or two balanced by verify tokens (1 + gamma) when the pipeline is on.
-
-        A step in which no slot drafts stays whole: with nothing to overlap, a second micro-batch
-        would only cost a second target forward (two launches of every layer, the weights read twice).
-        """
-        drafts = any(c.drafter is not None and c.gamma > 0 for c in choices)
-        if not self.cfg.pipeline or len(decode) < 2 or not drafts:
-            return [(decode, choices)]
-        size = [max(c.gamma, c.nodes) + 1 for c in choices]
-        order = sorted(range(len(decode)), key=lambda i: -size[i])
-        halves: list[list[int]] = [[], []]
-        load = [0, 0]
-        for i in order:
-            g = 0 if load[0] <= load[1] else 1
-            halves[g].append(i)
-            load[g] += size[i]
-        return [([decode[i] for i in sorted(h)], [choices[i] for i in sorted(h)]) for h in halves]
 
     @property
     def _side_stream(self) -> torch.cuda.Stream | None:

@@ -1,5 +1,6 @@
-"""A request in flight (Slot), the packed verify batch of one step (Plan), and the step's record for the
-run's statistics: the data BatchLoop's stages pass between them (engine/loop.py)."""
+"""A request in flight (Slot), a step's micro-batches (micro_batches), the packed verify batch of one (Plan),
+and the step's record for the run's statistics: the data BatchLoop's stages pass between them
+(engine/loop.py)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,29 @@ class Slot:
         short = len(self.tokens) - self.prompt_len < self.rule.min_tokens
         return (self.controls.active(self.sp.temperature) or (short and bool(self.rule.eos | self.rule.stop_ids))
                 or self.grammar is not None)
+
+
+MicroBatch = tuple[list[Slot], list[Choice]]  # decoding slots and their choices, verified in one target forward
+
+
+def micro_batches(decode: list[Slot], choices: list[Choice], pipeline: bool) -> list[MicroBatch]:
+    """One micro-batch, or two balanced by verify tokens (1 + gamma) when the pipeline is on.
+
+    A step in which no slot drafts stays whole: with nothing to overlap, a second micro-batch
+    would only cost a second target forward (two launches of every layer, the weights read twice).
+    """
+    drafts = any(c.drafter is not None and c.gamma > 0 for c in choices)
+    if not pipeline or len(decode) < 2 or not drafts:
+        return [(decode, choices)]
+    size = [max(c.gamma, c.nodes) + 1 for c in choices]
+    order = sorted(range(len(decode)), key=lambda i: -size[i])
+    halves: list[list[int]] = [[], []]
+    load = [0, 0]
+    for i in order:
+        g = 0 if load[0] <= load[1] else 1
+        halves[g].append(i)
+        load[g] += size[i]
+    return [([decode[i] for i in sorted(h)], [choices[i] for i in sorted(h)]) for h in halves]
 
 
 @dataclass

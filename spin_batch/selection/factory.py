@@ -44,7 +44,8 @@ def gated_drafters(drafters: Drafters, confidence_gate: bool = True) -> frozense
     return frozenset(n for n, d in drafters.items() if d.capabilities.gates)
 
 
-def tree_drafters(drafters: Drafters, tree_nodes: int, gated: frozenset[str], target_trees: bool = True) -> dict[str, int]:
+def tree_drafters(drafters: Drafters, tree_nodes: int, gated: frozenset[str],
+                  target_trees: bool = True) -> dict[str, int]:
     """Per drafter that grows token trees, its node budget: the gated drafters that declare `trees` (a tree's
     nodes are priced by the gate's floor; ungated, a tree would always take its whole budget), where the target
     verifies tree segments (target_trees: models.protocol.TargetModel.tree_segments). The one place a job's
