@@ -88,7 +88,8 @@ def padded_problem(model) -> str | None:
             "(target.kernels: c or auto on CPU); the torch attention path plans its batch on the host")
 
 
-def padded_hidden(model, tokens: torch.Tensor, seg: PaddedSegments, cache, layers: int | None = None) -> torch.Tensor:
+def padded_hidden(model, tokens: torch.Tensor, seg: PaddedSegments, cache,
+                  layers: int | None = None) -> torch.Tensor:
     """The residual [B (G + 1), C] of a bucket's forward: the first `layers` layers (default all), K/V written, no
     host read."""
     layers = layers or model.spec.num_layers
