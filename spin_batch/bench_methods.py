@@ -1,5 +1,6 @@
-"""The methods `spin-batch bench` times: our loop under a policy, transformers' generate, llama.cpp,
-and the hindsight oracle; each run gives a MethodRun (generated ids per request, wall time, stats).
+"""The methods `spin-batch bench` times: our loop under a policy, the device step (engine/device_step.py),
+transformers' generate, llama.cpp, and the hindsight oracle; each run gives a MethodRun (generated ids per
+request, wall time, stats).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from .bench_policies import assigned_policy
 from .config import JobConfig
+from .engine.device_step import DeviceDrafting, DeviceLoop
 from .engine.loop import BatchLoop
 from .engine.prefix_cache import PrefixCache
 from .records import Completion, Request
@@ -81,6 +83,70 @@ def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots:
     if graphs is not None:  # the target's CUDA graphs during this run: shapes captured, replays, eager short forwards
         summary["cuda_graphs"] = {k: v - before[k] for k, v in graphs.stats().items()}
     return MethodRun(label, slots, repeat, wall, tokens, shares, summary, peak_rss_mb())
+
+
+DEVICE_PREFIX = "device:"
+DEVICE_KINDS = ("ngram", "model", "early_exit")  # the drafter kinds a device:<name> method drafts with
+
+
+def is_device(method: str) -> bool:
+    return method.startswith(DEVICE_PREFIX)
+
+
+def device_methods(job: JobConfig) -> list[str]:
+    """The device methods a job offers: device:autoregressive, and device:<name> per n-gram or model drafter."""
+    return [f"{DEVICE_PREFIX}autoregressive", *(DEVICE_PREFIX + d.name for d in job.drafters if d.kind in DEVICE_KINDS)]
+
+
+class DeviceMethod:
+    """A device:autoregressive or device:<drafter> method: the device step (DeviceLoop) over the engine's target,
+    plain, or with that drafter at the job's gamma for every slot. One DeviceLoop serves every run of the
+    method at a slot count, so its CUDA graphs are captured once (in the warm-up pass on CUDA). Built at once:
+    a drafter or target the device step cannot run raises ValueError before any timed run."""
+
+    def __init__(self, engine: Engine, method: str, job: JobConfig):
+        self.method = method
+        name, gamma = method.removeprefix(DEVICE_PREFIX), job.spin.num_speculative_tokens
+        cfg = {d.name: d for d in job.drafters}.get(name)  # None: device:autoregressive
+        drafter = None if cfg is None else engine.loop.drafters[name]
+        if cfg is None:
+            drafting = DeviceDrafting()
+        elif cfg.kind == "ngram":
+            drafting = DeviceDrafting(gamma, cfg.min_ngram, cfg.max_ngram)
+        else:
+            drafting = DeviceDrafting(gamma)
+        try:
+            self.loop = DeviceLoop(engine.target, engine.tokenizer, replace(engine.loop.cfg, pipeline=False), drafting,
+                                   drafter)
+        except ValueError as e:
+            raise ValueError(f"bench method {method!r}: {e}") from None
+
+    def run(self, data: BenchInput, slots: int, repeat: int) -> MethodRun:
+        tokens: dict[str, list[int]] = {}
+        use = {"pulls": 0, "spec_steps": 0, "draft_tokens": 0, "accepted_draft_tokens": 0}
+
+        def record(c: Completion) -> None:
+            if c.status == "ok":
+                tokens[c.request.id] = list(c.token_ids)
+                use["pulls"] += sum(c.drafter_pulls.values())
+                use["spec_steps"] += c.num_spec_steps
+                use["draft_tokens"] += c.num_draft_tokens
+                use["accepted_draft_tokens"] += c.num_accepted_draft_tokens
+
+        before = self.loop.stats()
+        t0 = time.perf_counter()
+        self.loop.run(iter(data.requests), data.encode, record)
+        wall = time.perf_counter() - t0
+        after = self.loop.stats()
+        steps = after["steps"] - before["steps"]
+        generated = sum(len(t) for t in tokens.values())
+        summary = {"drafters": {self.loop.name: use} if use["spec_steps"] else {}, "steps": steps,
+                   "target_forwards_per_generated_token": steps / generated if generated else None,
+                   "device_step": {"host_reads": after["host_reads"] - before["host_reads"],
+                                   "admission_reads": after["admission_reads"] - before["admission_reads"],
+                                   "buckets": after["asked"], "captured": after["captured"],
+                                   "replays": after["replays"] - before["replays"]}}
+        return MethodRun(self.method, slots, repeat, wall, tokens, summary=summary, peak_rss_mb=peak_rss_mb())
 
 
 class HFGenerate:

@@ -13,6 +13,7 @@ from spin_batch.engine.loop import BatchLoop, LoopSettings
 from spin_batch.models import execution
 from spin_batch.models.buckets import bucket_of
 from spin_batch.models.loader import load_model, load_tokenizer
+from spin_batch.models.segments import Segments
 from spin_batch.records import Completion, Request
 from spin_batch.sampling import SamplingParams
 from spin_batch.selection.fixed import NoSpeculation
@@ -211,3 +212,132 @@ def test_device_step_on_the_triton_kernels(tmp_path, tiny_dir):
     loop = DeviceLoop(model, tok, settings, DeviceDrafting(gamma=4))
     assert loop.commit_op.__name__ == "accept_commit" and loop.ngram_op.__name__ == "ngram_draft"
     _same(want, _run(loop, tok, _requests(MANY[:3])))
+
+
+# -- model drafters' chains ---------------------------------------------------------------------
+
+
+def _model_drafter(kind: str, target, tiny_dir, tiny_draft_dir):
+    """self: the target's weights as a separate draft (its own cache; it agrees with the target on nearly every
+    token, so the rollback arithmetic shows in the acceptance); other: a different random model; exit1: the
+    target's first layer over the target's cache; int8: the target's int8 copy over the target's cache."""
+    from spin_batch.drafters.early_exit import EarlyExitDrafter
+    from spin_batch.drafters.model import ModelDrafter
+    from spin_batch.models.loader import load_state_dict
+
+    model, _ = target
+    if kind == "self":
+        return ModelDrafter("self", load_model(tiny_dir, plan=execution.forced("c")), model.allocate_cache(1, 8))
+    if kind == "other":
+        draft = load_model(tiny_draft_dir, plan=execution.forced("c"))
+        return ModelDrafter("other", draft, draft.allocate_cache(1, 8))
+    if kind == "exit1":
+        return EarlyExitDrafter("exit1", model, model.allocate_cache(1, 8), 1)
+    return EarlyExitDrafter("int8", model, model.allocate_cache(1, 8), None, model.int8_copy(load_state_dict(tiny_dir)))
+
+
+@pytest.mark.parametrize("slots", [1, 4, 16])
+@pytest.mark.parametrize("kind", ["self", "other", "exit1", "int8"])
+def test_device_step_model_chains_equal_autoregressive(target, tiny_dir, tiny_draft_dir, slots, kind):
+    model, tok = target
+    settings = _settings(slots)
+    want = _run(_batch_loop(target, settings), tok, _requests(MANY))
+    drafter = _model_drafter(kind, target, tiny_dir, tiny_draft_dir)
+    loop = DeviceLoop(model, tok, settings, DeviceDrafting(gamma=4 if slots == 4 else 8), drafter)
+    assert loop.chain is not None and loop.chain.own_cache == (kind in ("self", "other"))
+    got = _run(loop, tok, _requests(MANY))
+    _same(want, got)
+    drafted = sum(c.num_draft_tokens for c in got.values())
+    accepted = sum(c.num_accepted_draft_tokens for c in got.values())
+    assert drafted > 0 and all(c.drafter_pulls.keys() == {kind} for c in got.values())
+    if kind == "self":  # the target's weights: a draft whose cache is right after every rollback agrees always
+        assert accepted == drafted, (accepted, drafted)
+
+
+def test_device_chain_drafts_what_the_host_chain_drafts(target, tiny_dir, tiny_draft_dir):
+    """The same state, the same draft: DraftChain's greedy chains equal ModelDrafter.propose's, token for token,
+    for a draft with its own cache (the invariant: right below n - 2, then a two-row catch-up) and on the target's."""
+    import torch
+
+    from spin_batch.drafters.base import DraftRequest
+    from spin_batch.engine.device_draft import DraftChain
+
+    model, tok = target
+    prompts = [tok.encode(p) for p in MANY[:5]]
+    for kind in ("other", "exit1"):
+        host = _model_drafter(kind, target, tiny_dir, tiny_draft_dir)
+        host.cache = host.model.allocate_cache(6, 64) if kind == "other" else model.allocate_cache(6, 64)
+        host.lens = [0] * 6
+        device_cache = host.model.allocate_cache(6, 64) if kind == "other" else host.cache
+        chain = DraftChain(host.model, device_cache, host.num_layers, own_cache=kind == "other")
+        history = torch.zeros(6, 64, dtype=torch.long)
+        lengths = torch.ones(6, dtype=torch.long)
+        for s, ids in enumerate(prompts):
+            history[s, : len(ids)] = torch.tensor(ids)
+            lengths[s] = len(ids)
+            if kind == "other":
+                chain.admit(s, ids[:-1], 64)  # the prompt but its last token: right below n - 1 >= n - 2
+            else:  # the target's cache holds every committed token but the last
+                model.forward(torch.tensor(ids[:-1]), Segments.build([(s, len(ids) - 1, 0)], model.device), host.cache)
+        rows = torch.tensor([4, 0, 2, 5])  # slot 5: a padding row of nothing
+        gamma = torch.tensor([6, 3, 0, 0])
+        drafts, counts = chain.draft(rows, history, lengths, gamma, 8)
+        assert counts.tolist() == [6, 3, 0, 0]
+        want = host.propose([DraftRequest(s, prompts[s], g, None) for s, g in ((4, 6), (0, 3))]).tokens
+        assert drafts[0, :6].tolist() == want[0] and drafts[1, :3].tolist() == want[1], kind
+        assert drafts[0, 6:].tolist() == [0, 0] and drafts[2].tolist() == [0] * 8
+
+
+def test_device_step_refuses_feature_drafts(target):
+    from spin_batch.drafters.model import FeatureDrafter
+
+    model, tok = target
+    drafter = FeatureDrafter.__new__(FeatureDrafter)
+    drafter.name = "eagle"
+    with pytest.raises(ValueError, match="reads the target's features"):
+        DeviceLoop(model, tok, _settings(2), DeviceDrafting(gamma=4), drafter)
+
+
+@pytest.mark.parametrize("kind", ["other", "exit1"])
+def test_queuing_200_model_chain_steps_reads_nothing_back(target, tiny_dir, tiny_draft_dir, kind):
+    model, tok = target
+    loop = DeviceLoop(model, tok, _settings(4, max_model_len=2048, max_tokens=1900), DeviceDrafting(gamma=4),
+                      _model_drafter(kind, target, tiny_dir, tiny_draft_dir))
+    for r in _long_requests(4):
+        loop.admit(r, tok.encode(r.prompt))
+    inside = {name: 0 for name in AUDITED}
+    for _ in range(200):
+        with audit() as calls:
+            assert loop.queue() is not None
+        for k, v in calls.items():
+            inside[k] += v
+        if len(loop.queued) > 1:
+            assert not loop.collect()
+    assert sum(inside.values()) == 0, inside
+    assert loop.steps == 200 and int(loop.counters[:4, 1].sum()) > 0  # the chains drafted
+
+
+def test_device_model_chain_on_the_triton_kernels(tmp_path, tiny_dir):
+    """A draft with its own cache (the target's weights, loaded again) on the Triton path under the interpreter:
+    the chain's forwards from device-built packed indexes; equal to BatchLoop, every draft accepted."""
+    pytest.importorskip("triton", reason="triton is not importable")
+    from conftest import build_tiny_model
+    from spin_batch.drafters.model import ModelDrafter
+    from spin_batch.models.execution import Execution
+
+    path = build_tiny_model(tmp_path / "one-layer", layers=1, tokenizer_dir=tiny_dir)
+    tok = load_tokenizer(path)
+
+    def load():
+        return load_model(path, plan=execution.forced("torch"),
+                          execution=Execution(kernels="triton", cpu="torch", triton=True))
+
+    model, draft = load(), load()
+    settings = _settings(2, max_tokens=6)
+    want = _run(_batch_loop((model, tok), settings), tok, _requests(MANY[:3]))
+    loop = DeviceLoop(model, tok, settings, DeviceDrafting(gamma=4),
+                      ModelDrafter("self", draft, draft.allocate_cache(1, 8)))
+    got = _run(loop, tok, _requests(MANY[:3]))
+    _same(want, got)
+    drafted = sum(c.num_draft_tokens for c in got.values())
+    assert drafted > 0 and sum(c.num_accepted_draft_tokens for c in got.values()) == drafted

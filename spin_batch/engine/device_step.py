@@ -1,11 +1,14 @@
 """A greedy step whose state lives on the device, so queuing it never waits on the host.
 
 DeviceLoop decodes a request stream like BatchLoop (engine/loop.py), greedy only, with plain
-decoding or n-gram drafts. The token history, lengths, prompt lengths, limits, stop-token table,
-live flags and counters are device tensors, per slot. One step, all on the device:
+decoding, n-gram drafts or a model drafter's chains (engine/device_draft.py). The token history,
+lengths, prompt lengths, limits, stop-token table, live flags and counters are device tensors, per
+slot. One step, all on the device:
 
-1. each live slot's draft: the n-gram lookup over its history (spin_kernels.ngram_draft), up to
-   its gamma, capped on the device by the room left (context and max_tokens);
+1. each live slot's draft, up to its gamma, capped on the device by the room left (context and
+   max_tokens): the n-gram lookup over its history (spin_kernels.ngram_draft), or the draft model's
+   chain (device_draft.DraftChain: a catch-up forward, then one-row forwards, argmax on the device;
+   its cache rolled back by length arithmetic on the device lengths);
 2. the verify forward at a padded bucket (models/buckets.py): B rows (the slots the host believes
    live, padded with rows of a scratch slot) of G + 1 tokens, inputs gathered from the history;
    the final norm, the LM head and a batched argmax on every row;
@@ -23,9 +26,11 @@ it is not live there, so that row changes nothing. Stop strings are applied on t
 string costs at most one wasted step, cut on the host.
 
 Admission (prefill of the prompt and the first token) runs on the host's schedule between steps and
-reads its first token at once: it is outside the step. What the device step does not do yet: sampling,
-logprobs, logits controls, stop strings before min_tokens, n > 1, prefix caching, model drafters, token
-trees, the bandit (the gate's caps are taken from the n-gram drafter once, at construction).
+reads its first token at once: it is outside the step (a draft model with a cache of its own prefills
+the prompt there too). What the device step does not do yet: sampling, logprobs, logits controls, stop
+strings before min_tokens, n > 1, prefix caching, drafts that read the target's features, token trees,
+the bandit (one drafter and gamma for every slot; the n-gram gate's caps are taken from the n-gram
+drafter once, at construction; model drafters draft without a gate).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..drafters.model import ModelDrafter
 from ..drafters.ngram import NgramDrafter
 from ..models.buckets import DRAFT_BUCKETS, SLOT_BUCKETS, Bucket, BucketGraphs, PaddedSegments, bucket_of, \
     padded_hidden, padded_problem, step_ops
@@ -43,6 +49,7 @@ from ..models.cache import KVCache
 from ..models.cpu_decoder import argmax
 from ..models.segments import Segments
 from ..records import Completion, Request
+from .device_draft import DraftChain
 from .settings import LoopSettings, refusal, request_settings
 from .stopping import Stopping, StopRule
 
@@ -75,7 +82,8 @@ def host_reads():
 
 @dataclass(frozen=True)
 class DeviceDrafting:
-    """What every slot drafts with: nothing (gamma 0), or the n-gram lookup with these settings."""
+    """What every slot drafts with: nothing (gamma 0), or gamma tokens of the n-gram lookup with these settings
+    (min_ngram, max_ngram, min_prob) or of the model drafter given to DeviceLoop."""
 
     gamma: int = 0
     min_ngram: int = 1
@@ -115,7 +123,7 @@ class DeviceLoop:
     """Greedy decoding with device-owned step state; see the module docstring."""
 
     def __init__(self, target, tokenizer, settings: LoopSettings, drafting: DeviceDrafting = DeviceDrafting(),
-                 drafter: NgramDrafter | None = None, graphs: bool | None = None,
+                 drafter: NgramDrafter | ModelDrafter | None = None, graphs: bool | None = None,
                  slot_buckets: tuple[int, ...] = SLOT_BUCKETS, draft_buckets: tuple[int, ...] = DRAFT_BUCKETS):
         problem = padded_problem(target) or _settings_problem(settings)
         if problem:
@@ -145,11 +153,14 @@ class DeviceLoop:
         self.records_host = [torch.zeros(P, HEAD + self.width + 1, dtype=torch.int32, pin_memory=pin)
                              for _ in range(2)]
         keep = [self.width] * (drafting.max_ngram + 1)
-        if drafter is not None:  # the gate's cap per match length, at the drafter's current rates
+        if isinstance(drafter, NgramDrafter):  # the gate's cap per match length, at the drafter's current rates
             keep = [len(drafter.gated(n, [0] * self.width, drafting.min_prob)) if n in drafter.outcomes
                     else self.width for n in range(drafting.max_ngram + 1)]
         self.keep = torch.tensor(keep, **i64)
         self.commit_op, self.ngram_op = step_ops(target)
+        self.chain = None if drafter is None or isinstance(drafter, NgramDrafter) or not drafting.gamma else \
+            DraftChain.of(drafter, self.cache, P, L)  # a model drafter's chains, on its cache or the target's
+        self.name = drafter.name if drafter is not None and drafting.gamma else drafting.name  # drafter_pulls' key
         self.graphs = BucketGraphs(dev, target.device.type == "cuda" if graphs is None else graphs)
         self.stopping = Stopping(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         self.slots: list[DeviceSlot | None] = [None] * settings.slots
@@ -199,7 +210,9 @@ class DeviceLoop:
         n = self.lengths[rows]  # [B] committed tokens
         room = torch.minimum(self.max_len[rows] - n, self.max_tokens[rows] - (n - self.prompt_lens[rows]) - 1)
         gamma = torch.where(self.live[rows] != 0, torch.minimum(asked, room.clamp(min=0)), 0)
-        if G > 0:
+        if self.chain is not None:  # at width 0 too: a draft with its own cache catches up at every step
+            drafts, counts = self.chain.draft(rows, self.history, self.lengths, gamma, G)
+        elif G > 0:
             drafts, counts, _ = self.ngram_op(rows, self.history, self.lengths, gamma, self.keep, G,
                                               self.drafting.min_ngram, self.drafting.max_ngram)
         else:
@@ -260,6 +273,8 @@ class DeviceLoop:
             b = min(a + budget, n)
             seg = Segments.build([(idx, b - a, a)], dev)
             logits = self.target.forward(torch.as_tensor(ids[a:b], device=dev), seg, self.cache, [b - a - 1])
+        if self.chain is not None:
+            self.chain.admit(idx, ids, budget)
         rows = torch.tensor([idx], device=dev)
         none = torch.zeros(1, 0, dtype=torch.long, device=dev)
         self.commit_op(rows, none, torch.zeros(1, dtype=torch.long, device=dev), argmax(logits).view(1, 1),
@@ -274,7 +289,7 @@ class DeviceLoop:
         self.finished.append(Completion(
             s.req, text if text is not None else self.stopping.text(gen, s.rule), reason, s.prompt_len, len(gen),
             num_spec_steps=s.spec_steps, num_draft_tokens=s.draft_tokens, num_accepted_draft_tokens=s.accepted_tokens,
-            drafter_pulls={self.drafting.name: s.steps} if s.steps else {}, decode_time_s=time.perf_counter() - s.t_start,
+            drafter_pulls={self.name: s.steps} if s.steps else {}, decode_time_s=time.perf_counter() - s.t_start,
             token_ids=tuple(gen)))
         self.slots[s.index] = None
 

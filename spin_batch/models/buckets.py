@@ -88,15 +88,17 @@ def padded_problem(model) -> str | None:
             "(target.kernels: c or auto on CPU); the torch attention path plans its batch on the host")
 
 
-def padded_hidden(model, tokens: torch.Tensor, seg: PaddedSegments, cache) -> torch.Tensor:
-    """The residual [B (G + 1), C] of a bucket's forward: all layers, K/V written, no host read."""
-    layers = model.spec.num_layers
+def padded_hidden(model, tokens: torch.Tensor, seg: PaddedSegments, cache,
+                  layers: int | None = None) -> torch.Tensor:
+    """The residual [B (G + 1), C] of a bucket's forward: the first `layers` layers (default all), K/V written, no
+    host read."""
+    layers = layers or model.spec.num_layers
     if model.kernels:  # not model.hidden: its per-shape graphs would capture inside the bucket's graph
         return model.kernel_hidden(model._embed(tokens, None), seg.packed_index(), seg.width + 1, cache, layers)
     problem = padded_problem(model)
     if problem:
         raise ValueError(problem)
-    return model.hidden(tokens, seg, cache)
+    return model.hidden(tokens, seg, cache, layers)
 
 
 def step_ops(model):
