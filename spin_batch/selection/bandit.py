@@ -78,6 +78,9 @@ TREES_FIRST_SLOTS = 1  # up to this many decoding slots, token trees are the tre
 from .joint import JointChoice, best_gamma, chain_gain, chain_spend
 from .policy import NO_SPEC, Choice, Outcome, Policy, StepCosts
 
+RECALL_WEIGHT = 0.25  # what an earlier run's evidence is worth at the start of the next one (BanditPolicy.restore)
+RECALL_POOL_CAP = 200.0  # the most pseudo-tokens an earlier run's pooled rate brings
+RECALL_SPREAD_REQUESTS = 64  # the most finished requests an earlier run's spread brings
 PRIOR_STRENGTH = 6.0  # pseudo-tokens a warm start is worth until the spread between requests is measured
 PRIOR_MAX = 100.0  # the most pseudo-tokens a measured spread may make of it
 SPREAD_REQUESTS = 4  # finished requests with observations of a drafter before its spread is measured
@@ -104,6 +107,13 @@ class Beta:
     def observe(self, drafted: int, accepted: int) -> None:
         self.alpha += accepted
         self.beta += 1.0 if accepted < drafted else 0.0
+
+    def scaled(self, weight: float, cap: float, prior: float = 1.0) -> Beta:
+        """Its observations (what it holds beyond a Beta(prior, prior)) worth `weight` of what they were and at most
+        `cap` pseudo-tokens."""
+        a, b = max(self.alpha - prior, 0.0), max(self.beta - prior, 0.0)
+        k = min(weight, cap / (a + b)) if a + b > 0 else 0.0
+        return Beta(prior + k * a, prior + k * b)
 
 
 @dataclass
@@ -433,6 +443,53 @@ class BanditPolicy(Policy):
         return min(arm.mean + bonus, 0.999)
 
     # -- learn ------------------------------------------------------------------------------
+
+    # -- memory between runs -------------------------------------------------------------------
+
+    def state(self) -> dict:
+        """What holds beyond this run: the cost model, the gates' verdicts, per drafter the pooled rate, the
+        spread between requests, what chains bring past gamma and the calibration of predictions."""
+        return {
+            "pricing": self.pricing.state(),
+            "gate": self.gate.state() if self.gate is not None else None,
+            "tree_gates": [g.state() for g in self.tree_gates] if self.tree_gates is not None else None,
+            "pooled": {d: [b.alpha, b.beta] for d, b in self.pooled.items()},
+            "spread": {d: [s.requests, s.n, s.x, s.n2, s.x2n] for d, s in self.spread.items()},
+            "past": {d: [p.steps, p.rows, p.whole, p.beyond] for d, p in self.past.items()},
+            "calibration": [[d, n, c.realized, c.predicted] for (d, n), c in self.calibration.items()],
+            "pulls": dict(self.pulls),
+        }
+
+    def restore(self, state: dict, weight: float = RECALL_WEIGHT) -> None:
+        """Start from an earlier run's state (for the drafters this policy has), its evidence worth `weight` of
+        what it was: the first steps price drafters, skip warm-ups and probes, and back off where that run
+        found speculation did not pay, and this run's own steps soon outweigh it. Requests' own arms are not
+        kept: they belong to requests that are done."""
+        self.pricing.restore(state["pricing"], weight)
+        if self.gate is not None and state.get("gate") is not None:
+            self.gate.restore(state["gate"], weight)
+        if self.tree_gates is not None and state.get("tree_gates") is not None:
+            for g, s in zip(self.tree_gates, state["tree_gates"]):
+                g.restore(s, weight)
+        for d, (alpha, beta) in state["pooled"].items():
+            if d in self.pooled:
+                self.pooled[d] = Beta(float(alpha), float(beta)).scaled(weight, RECALL_POOL_CAP)
+        for d, (requests, *sums) in state["spread"].items():
+            if d in self.spread and requests > 0:
+                k = min(1.0, RECALL_SPREAD_REQUESTS / requests)
+                spread = self.spread[d] = Spread()
+                spread.requests = max(int(k * requests), 1)
+                spread.n, spread.x, spread.n2, spread.x2n = (k * float(v) for v in sums)
+                spread.strength = spread._measure()
+        for d, (steps, rows, whole, beyond) in state["past"].items():
+            if d in self.past:
+                self.past[d] = PastGamma(*(int(weight * v) for v in (steps, rows, whole, beyond)))
+        for d, n, realized, predicted in state["calibration"]:
+            if d in self.pooled:
+                self.calibration[(d, int(n))] = Calibration(weight * realized, weight * predicted)
+        for d, n in state["pulls"].items():
+            if d in self.pooled:  # probed already: the joint choice decides from the start
+                self.pulls[d] = min(int(n), PROBE_PULLS)
 
     def learn(self, outcomes: list[Outcome], costs: StepCosts) -> None:
         gained, decode_s = self.pricing.learn(outcomes, costs)

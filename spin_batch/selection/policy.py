@@ -60,3 +60,11 @@ class Policy(ABC):
 
     def learn(self, outcomes: list[Outcome], costs: StepCosts) -> None:
         """What the step just run produced and cost."""
+
+    def state(self) -> dict | None:
+        """What this policy learnt that holds beyond the run (costs, verdicts, pooled rates), as JSON data, for
+        the next run on this machine to start from (selection/memory.py); None: nothing worth keeping."""
+        return None
+
+    def restore(self, state: dict) -> None:
+        """Start from what an earlier run learnt (`state()`'s data); a policy that keeps nothing ignores it."""
