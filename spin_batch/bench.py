@@ -464,6 +464,12 @@ def write_results(runs: list[MethodRun], out: Path) -> dict[str, Path]:
     graphs = graph_use(runs)
     if graphs:
         parts.append("CUDA graphs (the target's decode and verify forwards):\n" + "\n".join(f"- {x}" for x in graphs))
+    remembered = [r.summary["selection_memory"] for r in runs if "selection_memory" in r.summary]
+    if remembered:
+        warm = sum(1 for m in remembered if m["started_from_runs"])
+        parts.append(f"Selection memory: {warm} of {len(remembered)} bandit runs started from what earlier runs on "
+                     f"this machine learnt ({remembered[-1]['path']}; docs/selection.md); "
+                     "`--set spin.warm_start=false` starts every run cold.")
     agree = agreement(runs)
     if agree:
         parts.append("Other engines (other kernels and rounding; hf_generate ignores sampling.stop; compared, "

@@ -15,6 +15,7 @@ from .config import JobConfig
 from .engine.device_step import DeviceDrafting, DeviceLoop
 from .engine.loop import BatchLoop
 from .engine.prefix_cache import PrefixCache
+from .memory import recall
 from .records import Completion, Request
 from .build import Engine
 from .selection.factory import make_policy
@@ -64,8 +65,12 @@ def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots:
     policy = assigned_policy(drafters, gamma, assign, gate) if assign is not None else \
         make_policy(selector, drafters, gamma, confidence_gate=gate, backoff=backoff, tree_nodes=tree_nodes,
                     target_trees=engine.target.tree_segments)
+    memory = engine.memory if assign is None and selector != "none" else None
+    # the job's selection memory (memory.py): each run starts from what the runs before it learnt
+    started_from = memory.runs if memory is not None and recall(memory, policy) else 0
     loop = BatchLoop(engine.target, engine.tokenizer, replace(engine.loop.cfg, pipeline=pipeline), policy, drafters,
-                     cache=engine.loop.cache, stats=RunStats(), prefix_cache=prefix)
+                     cache=engine.loop.cache, stats=RunStats(), prefix_cache=prefix,
+                     remember=memory.save if memory is not None else None)
     tokens: dict[str, list[int]] = {}
     shares: dict[str, float] = {}
 
@@ -82,6 +87,8 @@ def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots:
     summary = loop.stats.summary()
     if graphs is not None:  # the target's CUDA graphs during this run: shapes captured, replays, eager short forwards
         summary["cuda_graphs"] = {k: v - before[k] for k, v in graphs.stats().items()}
+    if memory is not None:
+        summary["selection_memory"] = {"path": str(memory.path), "started_from_runs": started_from}
     return MethodRun(label, slots, repeat, wall, tokens, shares, summary, peak_rss_mb())
 
 

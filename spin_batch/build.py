@@ -28,6 +28,7 @@ from .drafters.ngram import NgramDrafter
 from .drafters.vote import VoteDrafter
 from .engine.logprobs import LogprobAsk
 from .grammars import structured_from
+from .memory import SelectionMemory, memory_key, recall
 from .engine.controls import LogitControls
 from .engine.loop import BatchLoop, LoopSettings
 from .engine.prefix_cache import PrefixCache
@@ -51,6 +52,7 @@ class Engine:
     tokenizer: object
     loop: BatchLoop
     load_time_s: float
+    memory: SelectionMemory | None = None  # the selection memory the loop starts from and saves into (memory.py)
 
 
 def eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:
@@ -261,9 +263,13 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     policy = make_policy(job.spin.selector, drafters, job.spin.num_speculative_tokens, job.sampling.seed,
                          job.spin.confidence_gate, backoff=job.spin.backoff, tree_nodes=job.spin.tree_nodes,
                          target_trees=target.tree_segments)
+    memory = SelectionMemory(memory_key(job, target, target_dir)) if job.spin.warm_start and drafters else None
+    if memory is not None:
+        recall(memory, policy)
     settings = loop_settings(job, eos_ids(target_dir, tokenizer), device, generation_defaults(target_dir))
-    loop = BatchLoop(target, tokenizer, settings, policy, drafters, cache, stats, make_prefix_cache(job, target))
-    return Engine(target_dir, target, tokenizer, loop, time.perf_counter() - t0)
+    loop = BatchLoop(target, tokenizer, settings, policy, drafters, cache, stats, make_prefix_cache(job, target),
+                     remember=memory.save if memory is not None else None)
+    return Engine(target_dir, target, tokenizer, loop, time.perf_counter() - t0, memory)
 
 
 def prefix_summary(prefix: PrefixCache | None) -> dict:

@@ -408,7 +408,7 @@ def env(job_path, overrides):
         wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "avx_ne_convert", "asimd", "sve")
         return " ".join(f for f in wanted if f in have) or "(none of the ones spin-batch uses)"
 
-    click.echo(f"cpu\t{_cpu_model()} ({platform.machine()}), {torch.get_num_threads()} threads")
+    click.echo(f"cpu\t{cpu_decoder.cpu_model_name()} ({platform.machine()}), {torch.get_num_threads()} threads")
     click.echo(f"cpu flags\t{flag_line()}")
     click.echo(f"torch\t{torch.__version__}, kernels {torch.backends.cpu.get_cpu_capability()}, oneDNN bfloat16 "
                f"{'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no (bfloat16 off the C path uses torch GEMM)'}")
@@ -454,18 +454,6 @@ def env(job_path, overrides):
         click.echo(f"{name}\tlayers {p.layers}, LM head {p.lm_head} ({dtype}): {p.why}")
         if p.ms:
             click.echo(f"\tmeasured ms: {p.ms}")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

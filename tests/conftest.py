@@ -108,6 +108,13 @@ def build_tiny_model(
     return out
 
 
+@pytest.fixture(autouse=True)
+def selection_memory_per_test(tmp_path, monkeypatch):
+    """Each test's runs keep their selection memory (spin_batch/memory.py) to themselves, subprocesses included:
+    a test never starts from what another one learnt."""
+    monkeypatch.setenv("SPIN_BATCH_SELECTION_MEMORY", str(tmp_path / "selection-memory"))
+
+
 @pytest.fixture
 def lib():
     """The C kernels' library (cpu_decoder.c), built for this machine; a failed build fails the test."""

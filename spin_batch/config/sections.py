@@ -232,6 +232,9 @@ class SpinConfig:
     # slot and step, verified in one pass; each node must clear the confidence gate's price, so trees
     # shrink where verified rows are dear (many slots). 0: chains only. At most 63 (64 rows with the root).
     tree_nodes: int = 16
+    # start the policy from what earlier runs of this kind learnt on this machine (spin_batch/memory.py):
+    # drafters' costs and rates, and where speculation did not pay; never changes a row's text
+    warm_start: bool = True
 
     @classmethod
     def _parse(cls, s: _Section) -> SpinConfig:
@@ -243,6 +246,7 @@ class SpinConfig:
             confidence_gate=s.take("confidence_gate", _bool),
             backoff=s.take("backoff", _bool),
             tree_nodes=s.take("tree_nodes", _int(lo=0, hi=63)),
+            warm_start=s.take("warm_start", _bool),
         )
 
 

@@ -52,6 +52,7 @@ class BatchLoop:
         cache: KVCache | None = None,
         stats: RunStats | None = None,
         prefix_cache: PrefixCache | None = None,
+        remember: Callable[[dict | None], None] | None = None,
     ):
         self.target = target
         self.tok = tokenizer
@@ -71,6 +72,7 @@ class BatchLoop:
         self.tree_segments = target.tree_segments
         self.texts = TokenTexts(tokenizer)
         self.prefix = prefix_cache
+        self.remember = remember  # given the policy's snapshot (Policy.snapshot) when a stream ends (memory.py)
         self.share = PrefillShare(prefix_cache, self.cache, self._features)
         self._queued: list[SampleGroup] = []  # requests with samples not yet in a slot
         self.grammars = Grammars(tokenizer, target.spec.vocab_size)
@@ -485,6 +487,8 @@ class BatchLoop:
                         emit(failed)
                     self._admit_samples()
             if not self.active or should_stop():
+                if self.remember is not None:
+                    self.remember(self.policy.snapshot())
                 return
             for done in self.step():
                 emit(done)

@@ -99,6 +99,18 @@ def _compiler() -> str:
     return os.environ.get("CC") or "cc"
 
 
+def cpu_model_name() -> str:
+    """The CPU's model name as the kernel reports it (lscpu's "Model name")."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def machine_key() -> str:
     """This kind of machine and build: the flags, the CPU's feature flags and the compiler."""
     return _digest(" ".join(flags()).encode(), platform.machine().encode(), _cpu_flags().encode(), _compiler().encode())

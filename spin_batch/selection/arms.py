@@ -35,6 +35,13 @@ class Beta:
         self.alpha += accepted
         self.beta += 1.0 if accepted < drafted else 0.0
 
+    def scaled(self, weight: float, cap: float, prior: float = 1.0) -> Beta:
+        """Its observations (what it holds beyond a Beta(prior, prior)) worth `weight` of what they were and at most
+        `cap` pseudo-tokens."""
+        a, b = max(self.alpha - prior, 0.0), max(self.beta - prior, 0.0)
+        k = min(weight, cap / (a + b)) if a + b > 0 else 0.0
+        return Beta(prior + k * a, prior + k * b)
+
 
 @dataclass
 class PastGamma:
@@ -107,6 +114,16 @@ class Spread:
         # kappa in pseudo-tokens, within [PRIOR_STRENGTH, PRIOR_MAX]; PRIOR_STRENGTH until measured. Read at
         # every warm start (each slot, each step), so kept here and renewed only when a request is added.
         self.strength = PRIOR_STRENGTH
+
+    @classmethod
+    def restored(cls, requests: int, sums: list[float], weight: float) -> Spread:
+        """An earlier run's spread (its request count and sums n, x, n^2, x^2/n), as if from `weight` of its
+        requests: the same strength, which new requests then move sooner."""
+        spread = cls()
+        spread.requests = max(int(weight * requests), 1)
+        spread.n, spread.x, spread.n2, spread.x2n = (weight * v for v in sums)
+        spread.strength = spread._measure()
+        return spread
 
     def add(self, successes: float, trials: float) -> None:
         """One finished request's own observations of the drafter."""

@@ -85,12 +85,14 @@ from .joint import JointChoice, best_gamma, chain_gain, chain_spend
 from .policy import NO_SPEC, Choice, GateStep, Outcome, Policy, Prediction, StepChoice, StepCosts
 
 TREES_FIRST_SLOTS = 1  # up to this many decoding slots, token trees are the tree gate's favoured mode
+RECALL_WEIGHT = 0.25  # what an earlier run's evidence is worth at the start of the next one (BanditState.restore)
+RECALL_POOL_CAP = 200.0  # the most pseudo-tokens an earlier run's pooled rate brings
+RECALL_SPREAD_REQUESTS = 64  # the most finished requests an earlier run's spread brings
 DEFAULT_RATE = 0.3  # prior acceptance before anything was pooled
 PROBE_PULLS = 3  # steps that drafted with a drafter (its first trial included) before the joint choice alone decides
 DRAIN_RECHECK = 16  # steps the drain keeps a verdict against drafting while its slots stay the same
 
 Open = list[tuple[int, RequestArms, int]]  # (index, request, cap) of the slots the joint choice decides
-
 
 @dataclass(frozen=True)
 class BanditSettings:
@@ -136,6 +138,48 @@ class BanditState:
         # nothing is learnt while nothing drafts, so the verdict stands until a slot leaves (or a while).
         self.drain_no: tuple[frozenset[int], int] | None = None
 
+    def snapshot(self) -> dict:
+        """What holds beyond this run, as JSON data: the cost model, the gates' verdicts, per drafter the pooled
+        rate, the spread between requests, what chains bring past gamma, the calibration and the probes."""
+        return {
+            "pricing": self.pricing.snapshot(),
+            "gate": self.gate.snapshot() if self.gate is not None else None,
+            "tree_gates": [g.snapshot() for g in self.tree_gates] if self.tree_gates is not None else None,
+            "pooled": {d: [b.alpha, b.beta] for d, b in self.pooled.items()},
+            "spread": {d: [s.requests, s.n, s.x, s.n2, s.x2n] for d, s in self.spread.items()},
+            "past": {d: [p.steps, p.rows, p.whole, p.beyond] for d, p in self.past.items()},
+            "calibration": [[d, n, c.realized, c.predicted] for (d, n), c in self.calibration.items()],
+            "pulls": dict(self.pulls),
+        }
+
+    def restore(self, snap: dict, weight: float = RECALL_WEIGHT) -> None:
+        """Start from an earlier run's snapshot (for the drafters this bandit has), its evidence worth `weight` of
+        what it was: the first steps price drafters, skip warm-ups and probes, and back off where that run
+        found speculation did not pay, and this run's own steps soon outweigh it. The requests' own arms are
+        not kept: they belong to requests that are done."""
+        self.pricing.restore(snap["pricing"], weight)
+        if self.gate is not None and snap.get("gate") is not None:
+            self.gate.restore(snap["gate"], weight)
+        if self.tree_gates is not None and snap.get("tree_gates") is not None:
+            for g, s in zip(self.tree_gates, snap["tree_gates"]):
+                g.restore(s, weight)
+        for d, (alpha, beta) in snap["pooled"].items():
+            if d in self.pooled:
+                self.pooled[d] = Beta(float(alpha), float(beta)).scaled(weight, RECALL_POOL_CAP)
+        for d, (requests, *sums) in snap["spread"].items():
+            if d in self.spread and requests > 0:
+                self.spread[d] = Spread.restored(int(requests), [float(v) for v in sums],
+                                                 min(1.0, RECALL_SPREAD_REQUESTS / requests))
+        for d, counts in snap["past"].items():
+            if d in self.past:
+                self.past[d] = PastGamma(*(int(weight * v) for v in counts))
+        for d, n, realized, predicted in snap["calibration"]:
+            if d in self.pooled:
+                self.calibration[(d, int(n))] = Calibration(weight * realized, weight * predicted)
+        for d, n in snap["pulls"].items():
+            if d in self.pooled:  # probed already: the joint choice decides from the start
+                self.pulls[d] = min(int(n), PROBE_PULLS)
+
 
 class BanditPolicy(Policy):
     """`ucb` (optimistic acceptance) or `thompson` (sampled acceptance): BanditSettings, and a BanditState
@@ -147,6 +191,12 @@ class BanditPolicy(Policy):
         self.settings = BanditSettings(tuple(drafters), max_gamma, mode, frozenset(gated), seed, exploration,
                                        gamma_exploration, backoff, dict(trees or {}))
         self.state = BanditState(self.settings, cost)
+
+    def snapshot(self) -> dict:
+        return self.state.snapshot()
+
+    def restore(self, snap: dict) -> None:
+        self.state.restore(snap)
 
     def on_stream(self) -> None:
         self.state.draining, self.state.drain_no = False, None

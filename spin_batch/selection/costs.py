@@ -64,6 +64,14 @@ class DraftCost:
                 return 0.0, pt / pp
         return ft / ff, 0.0
 
+    def snapshot(self) -> dict:
+        return {"sums": list(self._m), "widest": self.widest}
+
+    def restore(self, state: dict, weight: float) -> None:
+        """What an earlier run fitted, its sums scaled by `weight` (the fit is the same; new steps move it sooner)."""
+        self._m = [weight * float(v) for v in state["sums"]]
+        self.widest = float(state["widest"])
+
 
 class RatioEma:
     """Goodput over the recent steps as a whole: sum(decay^i * tokens) / sum(decay^i * seconds).
@@ -85,6 +93,13 @@ class RatioEma:
         self._tokens = self.decay * self._tokens + tokens
         self._seconds = self.decay * self._seconds + seconds
         self.seen = True
+
+    def snapshot(self) -> list[float]:
+        return [self._tokens, self._seconds]
+
+    def restore(self, state: list[float], weight: float) -> None:
+        self._tokens, self._seconds = weight * float(state[0]), weight * float(state[1])
+        self.seen = self._seconds > 0
 
 
 class CostModel:
@@ -150,6 +165,27 @@ class CostModel:
         next width before the batch relies on it."""
         e = self.drafts.get(drafter)
         return 2 * max(int(e.widest), 1) if e is not None else 1
+
+    def snapshot(self) -> dict:
+        """What the model has fitted, as JSON data (selection/memory.py keeps it for the next run)."""
+        return {"all": list(self._all), "decode": list(self._decode),
+                "drafts": {d: e.snapshot() for d, e in self.drafts.items()},
+                "goodput": self.goodput.snapshot(), "goodput_at": {str(n): g.snapshot() for n, g in self.goodput_at.items()}}
+
+    def restore(self, state: dict, weight: float) -> None:
+        """Start from an earlier run's fit, every sum scaled by `weight`: the same lines and goodputs, worth
+        `weight` of the steps they came from, so this run's own steps soon outweigh them."""
+        self._all = [weight * float(v) for v in state["all"]]
+        self._decode = [weight * float(v) for v in state["decode"]]
+        self.drafts = {}
+        for d, e in state["drafts"].items():
+            self.drafts[d] = DraftCost(self.decay)
+            self.drafts[d].restore(e, weight)
+        self.goodput.restore(state["goodput"], weight)
+        self.goodput_at = {}
+        for n, g in state["goodput_at"].items():
+            self.goodput_at[int(n)] = RatioEma(0.9)
+            self.goodput_at[int(n)].restore(g, weight)
 
     def decode_seconds(self, outcomes: list[Outcome], costs: StepCosts) -> float:
         """The step's time without its prefill chunks: goodput is measured on decoding alone.
@@ -229,6 +265,17 @@ class Pricing:
         if drafter not in self._chains:
             return 0.0
         return min(verify_price + lam * self.cost.draft_cost(drafter, sharing), 1.0)
+
+    def snapshot(self) -> dict:
+        return {"cost": self.cost.snapshot(), "chains": {d: list(c) for d, c in self._chains.items()}}
+
+    def restore(self, state: dict, weight: float) -> None:
+        """An earlier run's costs and chain lengths (for the gated drafters this policy has), scaled by `weight`."""
+        self.cost.restore(state["cost"], weight)
+        for d, (proposed, cut) in state["chains"].items():
+            if d in self._chains:  # the same rate, scaled no lower than the prior's one count each
+                k = min(max(weight, 1.0 / max(min(proposed, cut), 1e-9)), 1.0)
+                self._chains[d] = [k * float(proposed), k * float(cut)]
 
     def learn(self, outcomes: list[Outcome], costs: StepCosts) -> tuple[int, float]:
         """CostModel.learn, and each gated chain's length; returns (tokens gained, decode seconds)."""

@@ -40,6 +40,16 @@ class DecayedMean:
     def mean(self) -> float:
         return self._s1 / self._w if self._w else 0.0
 
+    def snapshot(self) -> list[float]:
+        return [self.n, self._w, self._w2, self._s1, self._s2]
+
+    def restore(self, state: list[float], weight: float) -> None:
+        """An earlier mean, its samples worth `weight` of what they were: the same mean and standard error, which
+        a new sample moves further."""
+        n, w, w2, s1, s2 = state
+        self.n = int(n)
+        self._w, self._w2, self._s1, self._s2 = weight * w, weight * weight * w2, weight * s1, weight * s2
+
     @property
     def stderr(self) -> float:
         """sqrt(variance / effective sample count); infinite with fewer than two samples."""
@@ -87,6 +97,23 @@ class StepGate:
         self._burst: dict[int, Burst] = {}  # per band: the burst under way
         self._last: bool | None = None  # the mode of the previous step (the drafters' state is global)
         self.steady = False  # whether the current step continues a run of its mode (then it is scored)
+
+    def snapshot(self) -> dict:
+        """The verdicts so far, per band, as JSON data (selection/memory.py keeps them for the next run)."""
+        return {"log_ratio": {str(b): r.snapshot() for b, r in self.log_ratio.items()},
+                "warm": {str(b): n for b, n in self.warm.items()}}
+
+    def restore(self, state: dict, weight: float) -> None:
+        """Start from an earlier run's verdicts: a band with paired ratios is warm, and they count `weight` of what
+        they did; the bursts still come, so a verdict that no longer holds here is overturned. A band with no
+        pair warms up again: its first burst is paired with this run's steps of the other mode, which a band
+        taken as warm without a verdict has none of until it speculates."""
+        for b, r in state["log_ratio"].items():
+            self.log_ratio[int(b)] = DecayedMean(GATE_DECAY)
+            self.log_ratio[int(b)].restore(r, weight)
+        for b, n in state["warm"].items():
+            if int(b) in self.log_ratio:
+                self.warm[int(b)] = min(int(n), GATE_WARMUP)
 
     @staticmethod
     def band(slots: int) -> int:

@@ -102,3 +102,11 @@ class Policy(ABC):
     def learn(self, step: StepChoice, outcomes: list[Outcome], costs: StepCosts) -> None:
         """What the step chosen as `step` produced and cost (with the pipeline, once per micro-batch: the
         outcomes of its slots, the same record each time)."""
+
+    def snapshot(self) -> dict | None:
+        """What this policy learnt that holds beyond the run (costs, verdicts, pooled rates), as JSON data, for
+        the next run on this machine to start from (memory.py); None: nothing worth keeping."""
+        return None
+
+    def restore(self, snap: dict) -> None:
+        """Start from what an earlier run learnt (snapshot()'s data); a policy that keeps nothing ignores it."""
