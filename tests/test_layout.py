@@ -31,7 +31,7 @@ TABLE: list[tuple[tuple[str, ...], set[str]]] = [
     (("preflight",), {"drafters", "models", "io", "config"}),
     (("outcome",), {"io"}),
     (("fingerprint",), {"io", "config"}),
-    (("bench", "bench_methods", "bench_policies", "llamacpp"),
+    (("bench", "bench_methods", "bench_plot", "bench_policies", "llamacpp"),
      {"build", "engine", "selection", "models", "io", "config", "records", "stats", "cachedir", "memory",
       "__init__"}),
     (("ray_data",), {"build", "preflight", "io", "config", "records"}),

@@ -32,7 +32,7 @@ from .prefill_share import PrefillShare, SampleGroup, reuse_order, sample_genera
 from .prefix_cache import PrefixCache
 from .stopping import Stopping, StopRule
 from .tree_verify import DraftTree, accept_trees
-from .slot import MicroBatch, Plan, Slot, micro_batches, step_record
+from .slot import MicroBatch, Plan, Slot, lap, micro_batches, reach, step_record
 from .verify import Verdict, accept_drafts
 
 
@@ -124,11 +124,11 @@ class BatchLoop:
         t = time.perf_counter()
         decode = [s for s in self.active if s.decoding]
         chosen = self.select(decode)
-        t = _lap(times, "select", t)
+        t = lap(times, "select", t)
         batches = micro_batches(decode, list(chosen.choices), self.cfg.pipeline)
         if len(batches) == 1:
             proposal, draft_s = self.draft(*batches[0])
-            t = _lap(times, "draft", t)
+            t = lap(times, "draft", t)
             self._finish_batch(batches[0], chosen, proposal, draft_s, times, t)
         else:
             self._pipeline(batches, chosen, times, t)
@@ -141,13 +141,13 @@ class BatchLoop:
         forward of its own (the prefill chunks ride with the first), and learns and is recorded on its own."""
         first, second = batches
         proposal, draft_s = self.draft(*first)
-        t = _lap(times, "draft", t)
+        t = lap(times, "draft", t)
         second_times: dict[str, float] = {}
 
         def draft_second() -> Drafted:
             t0 = time.perf_counter()
             drafted = self.draft(*second)
-            _lap(second_times, "draft", t0)
+            lap(second_times, "draft", t0)
             return drafted
 
         t, drafted = self._finish_batch(first, chosen, proposal, draft_s, times, t, during_verify=draft_second)
@@ -165,7 +165,7 @@ class BatchLoop:
         side = self._overlap_begin() if during_verify is not None else None
         logits = self.verify(plan)
         logits = score_prompts(plan.prompt, logits) if plan.prompt else logits
-        t = _lap(times, "verify", t)
+        t = lap(times, "verify", t)
         during = None
         if side is not None:
             with side:
@@ -174,12 +174,12 @@ class BatchLoop:
         verdict = self.accept(plan, proposal, logits)
         served = plan.decode + plan.finishing
         scored = score_new_tokens(logits, [s.ask for s in served], [s.sp for s in served], plan.drafts, verdict)
-        t = _lap(times, "accept", t)
+        t = lap(times, "accept", t)
         self._charge(plan, sum(times.values()))
         generated = self.commit(plan, verdict, scored)
-        t = _lap(times, "commit", t)
+        t = lap(times, "commit", t)
         self._learn(plan, chosen, choices, verdict, draft_s, times)
-        t = _lap(times, "learn", t)
+        t = lap(times, "learn", t)
         self.stats.observe(step_record(plan, choices, verdict, generated, times))
         return t, during
 
@@ -209,14 +209,14 @@ class BatchLoop:
         """The policy learns what its choices for this micro-batch's slots (`choices`, of the step's record
         `chosen`) produced and cost."""
         # a tree counts as the chain of its depth: the policy prices chains (accepted of drafted)
-        reach = [_reach(d, t) for d, t in zip(plan.drafts, plan.trees)]
-        outcomes = [Outcome(s.index, c, n, k) for s, c, n, k in zip(plan.decode, choices, reach, verdict.accepted)]
+        depths = [reach(d, t) for d, t in zip(plan.drafts, plan.trees)]
+        outcomes = [Outcome(s.index, c, n, k) for s, c, n, k in zip(plan.decode, choices, depths, verdict.accepted)]
         # Draft positions each drafter ran: the tokens it proposed, plus the position where it stopped
         # short of gamma (no n-gram match, or the confidence gate), which it computed too.
         # One forward advances all of a drafter's live slots, so it ran as many as its deepest slot.
         ran: Counter = Counter()
         forwards: dict[str, int] = {}
-        for c, n in zip(choices, reach):
+        for c, n in zip(choices, depths):
             if c.drafter is not None and c.gamma > 0:
                 n = min(n + 1, c.gamma)
                 ran[c.drafter] += n
@@ -515,13 +515,3 @@ class BatchLoop:
             self._queued.append(group)
         return None
 
-
-def _reach(drafts: list[int], parents: list[int] | None) -> int:
-    """Draft tokens on the longest path: a chain's length, a tree's depth."""
-    return len(drafts) if parents is None else max(DraftTree(drafts, parents).depths(), default=0)
-
-
-def _lap(times: dict[str, float], stage: str, t0: float) -> float:
-    t = time.perf_counter()
-    times[stage] = times.get(stage, 0.0) + t - t0
-    return t

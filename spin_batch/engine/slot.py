@@ -20,6 +20,7 @@ from .logprobs import NO_LOGPROBS, LogprobAsk, Scored
 from .prefill_share import SampleGroup
 from .stopping import StopRule
 from .structured import GrammarState
+from .tree_verify import DraftTree
 from .verify import Verdict
 
 
@@ -136,3 +137,15 @@ def step_record(plan: Plan, choices: list[Choice], verdict: Verdict, generated: 
         spec_steps=dict(spec),
         pulls=dict(pulls),
     )
+
+
+def reach(drafts: list[int], parents: list[int] | None) -> int:
+    """Draft tokens on the longest path: a chain's length, a tree's depth."""
+    return len(drafts) if parents is None else max(DraftTree(drafts, parents).depths(), default=0)
+
+
+def lap(times: dict[str, float], stage: str, t0: float) -> float:
+    """Adds the seconds since t0 to times[stage]; returns now."""
+    t = time.perf_counter()
+    times[stage] = times.get(stage, 0.0) + t - t0
+    return t
