@@ -20,7 +20,7 @@ def plot_bench(rows: list[dict], runs: list[MethodRun], out: Path) -> dict[str, 
         return {}
     paths = {}
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for m in sorted({r["method"] for r in rows}, key=_method_order):
+    for m in dict.fromkeys(r["method"] for r in rows):  # the table's order (bench.table)
         pts = sorted((r["slots"], r["tokens_per_s"]) for r in rows if r["method"] == m)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
     ax.set_xlabel("slots")
