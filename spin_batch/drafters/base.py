@@ -31,6 +31,9 @@ class DraftGrammar(Protocol):
     def ends(self, path: Sequence[int]) -> bool:
         """Whether nothing may be drafted after path (it completes the grammar or ends in a stop token)."""
 
+    def takes(self, tokens: list[int]) -> int:
+        """How many leading tokens of a chain the grammar takes (the loop cuts the chain there)."""
+
     def forced(self, path: Sequence[int], cap: int) -> list[int]:
         """The tokens the grammar forces after path (at most cap): draft tokens that need no forward."""
 

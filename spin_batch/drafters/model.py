@@ -88,6 +88,9 @@ class ModelDrafter(Drafter):
         starts, feeds, extras = self._catch_up(reqs)
         guessing = self.lookahead > 0 and extras is None
         live = list(range(len(reqs)))
+        if extras is None:  # what the grammar forces first is drafted with no forward, and fed with the catch-up
+            live = [i for i in live
+                    if self._force(reqs[i], drafts[i], qs[i], feeds[i]) and len(drafts[i]) < reqs[i].gamma]
         conf = [1.0] * len(reqs)  # product of the draft's top probabilities along each chain
         first = True
         while live:
@@ -131,13 +134,12 @@ class ModelDrafter(Drafter):
                             going = False
                             break
                     drafts[i].append(picks[row])
-                    if r.grammar is not None and extras is None:
-                        forced = r.grammar.forced(drafts[i], r.gamma + self._past(r) - len(drafts[i]))
-                        drafts[i].extend(forced)
-                        qs[i].extend(self._one_hot(forced) if qs[i] else [])
-                        if r.grammar.ends(drafts[i]):
+                    if extras is None and r.grammar is not None:
+                        forced = [drafts[i][-1]]  # the pick and what the grammar forces after it: the next feed
+                        if not self._force(r, drafts[i], qs[i], forced):
                             going = False
                             break
+                        forced = forced[1:]
                     if len(drafts[i]) >= r.gamma:
                         going = False  # no forward past gamma, but this one's confirmed guesses run on
                     if len(drafts[i]) >= r.gamma + self._past(r) or n == len(g) or forced or picks[row] != g[n]:
@@ -153,6 +155,18 @@ class ModelDrafter(Drafter):
                     still.append(i)
             live, first = still, False
         return Proposal(drafts, [torch.stack(q) if q else None for q in qs])
+
+    def _force(self, r: DraftRequest, draft: list[int], q: list[torch.Tensor], feed: list[int]) -> bool:
+        """Append to the draft (and to the feed) the tokens r's grammar forces after it, within gamma + room: no
+        forward picks them, so a sampling request's q is one-hot there. Whether the grammar allows more after them."""
+        if r.grammar is None:
+            return True
+        forced = r.grammar.forced(draft, r.gamma + r.room - len(draft))
+        draft.extend(forced)
+        feed.extend(forced)
+        if not r.sp.greedy and r.sp.sampler != "gumbel":
+            q.extend(self._one_hot(forced))
+        return not r.grammar.ends(draft)
 
     def _one_hot(self, tokens: list[int]) -> list[torch.Tensor]:
         """A q row [V] per token a rejection-sampling chain drafted deterministically (one-hot: exact)."""

@@ -242,6 +242,15 @@ class DraftGrammar:
         g.draft_mask_rows += len(paths)
         return refused
 
+    def takes(self, tokens: list[int]) -> int:
+        """How many leading tokens of a chain the grammar takes from the committed state (GrammarState.cut)."""
+        self._open([])
+        k = self._m.validate_tokens(tokens)
+        for i, t in enumerate(tokens[:k]):
+            if t in self.state.stops or t == self.state.eos:
+                return i + 1
+        return k
+
     def forced(self, path: Sequence[int], cap: int) -> list[int]:
         """The tokens the grammar forces after path (jump-forward, GrammarState.forced), at most cap."""
         if cap <= 0 or not JUMP_FORWARD or not self._open(path):
