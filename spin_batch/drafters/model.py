@@ -15,6 +15,12 @@ is still the draft's own pick from a row whose inputs are the committed tokens a
 guess row the pick did not confirm holds K/V the next forward overwrites. Sampling requests get no guesses (their draws would depend on
 which rows ran), and neither do drafts that read the target's features (a fed row needs the feature the
 draft predicted at the row before).
+
+Under a grammar (DraftRequest.grammar): every row's logits are masked by the grammar state along its draft
+path before anything is picked or drawn (mask_by_grammar; q is then the masked distribution), a chain stops
+where the grammar allows nothing more, and the tokens the grammar forces join a chain with no forward (fed
+with the next one; one-hot q), except in drafts that read the target's features. Unconstrained rows pay
+nothing.
 """
 
 from __future__ import annotations

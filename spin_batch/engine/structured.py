@@ -18,11 +18,13 @@ stop_token_ids) are allowed too. When the grammar can take no more tokens (stopp
 stops there, as at EOS. min_tokens does not hold a request past its grammar's end: a row that the
 controls would leave no token keeps the grammar's tokens with their raw logits.
 
-Drafts: a chain is cut at the first token the grammar refuses, a tree loses those nodes (and their
-subtrees), before the verify forward, where that keeps sampling exact: greedy rows, the Gumbel sampler
-(the text is fixed by the target's rows), and deterministic drafts (no q: a cut position draws from p,
-as a rejected one-hot draft would). A sampled model draft with its q keeps its tokens; the verifier
-rejects a refused one (p = 0 there).
+Drafts: a model drafter masks its own logits along each draft path (:class:`DraftGrammar`, a copy of the
+slot's matcher, handed to it as DraftRequest.grammar), so it proposes only tokens the grammar allows, and
+appends the tokens the grammar forces with no forward. Any proposal is then cut, a chain at the first token
+the grammar refuses, a tree without those nodes (and their subtrees), before the verify forward, where that
+keeps sampling exact: greedy rows, the Gumbel sampler (the text is fixed by the target's rows), and
+deterministic drafts (no q: a cut position draws from p, as a rejected one-hot draft would). A sampled draft
+with its q keeps its tokens; the verifier rejects a refused one (p = 0 there).
 
 Jump-forward: where the grammar allows exactly one continuation for the next tokens (a JSON key, its
 quotes and colon), a slot with no draft of its own proposes those tokens with no draft forward
