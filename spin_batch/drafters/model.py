@@ -371,8 +371,12 @@ def mask_by_grammar(logits: torch.Tensor, reqs: list[DraftRequest], paths: list[
         refused = torch.nn.functional.pad(refused[:, :width], (0, max(width - refused.shape[1], 0)), value=True)
     none = refused.all(-1)  # [m]
     refused &= ~none[:, None]
-    at = torch.tensor(order, dtype=torch.long, device=logits.device)
-    masked = logits.index_put((at,), logits[at].masked_fill(refused.to(logits.device), -torch.inf))
+    refused = refused.to(logits.device)
+    if order == list(range(logits.shape[0])):  # every row constrained, in order (one slot, or a constrained job)
+        masked = logits.masked_fill(refused, -torch.inf)
+    else:
+        at = torch.tensor(order, dtype=torch.long, device=logits.device)
+        masked = logits.index_put((at,), logits[at].masked_fill(refused, -torch.inf))
     return masked, {order[k] for k in torch.nonzero(none).flatten().tolist()}
 
 

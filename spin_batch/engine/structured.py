@@ -238,8 +238,14 @@ class DraftGrammar:
         for r, path in enumerate(paths):
             if self._open(path):
                 self._m.unsafe_compute_mask_ptr(bitmask[r].data_ptr(), bitmask.shape[1] * 4)
+        eos = self.state.eos
+        if 0 <= eos < g.vocab:  # allow_stops on the words: a stop token's bit is set where the EOS bit is
+            words = bitmask.numpy()
+            ends = (words[:, eos // 32] >> (eos % 32)) & 1  # [n]
+            for i in self.state.stops:
+                if 0 <= i < g.vocab:
+                    words[:, i // 32] |= ends << (i % 32)
         refused = g.refused(bitmask)
-        self.state.allow_stops(refused)
         g.draft_mask_s += time.perf_counter() - t0
         g.draft_mask_rows += len(paths)
         return refused
