@@ -149,7 +149,8 @@ def test_forced_tokens_mid_draft_cost_no_forward(target, monkeypatch, tiny_draft
         drafter = loop.drafters["other"]
         forwards, proposed, step, propose = [0], [0], drafter._step, drafter.propose
         drafter._step = lambda *a: (forwards.__setitem__(0, forwards[0] + 1), step(*a))[1]
-        drafter.propose = lambda rs: (p := propose(rs), proposed.__setitem__(0, proposed[0] + sum(map(len, p.tokens))))[0]
+        drafter.propose = lambda rs: (p := propose(rs),
+                                      proposed.__setitem__(0, proposed[0] + sum(map(len, p.tokens))))[0]
         runs[jump] = ids(run(loop, reqs)), forwards[0], proposed[0]
     (on, on_fwd, on_tok), (off, off_fwd, off_tok) = runs[True], runs[False]
     assert on == off
