@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -16,6 +18,24 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+class DraftGrammar(Protocol):
+    """A slot's output constraint as its drafter sees it (engine/structured.py's DraftGrammar): what the grammar
+    allows after a draft path (tokens drafted past the committed ones). Asking never moves the slot's state."""
+
+    def refused(self, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+        """[n, V] bool over target ids: True where the token is refused after paths[r]; all True where nothing
+        may follow paths[r]."""
+
+    def ends(self, path: Sequence[int]) -> bool:
+        """Whether nothing may be drafted after path (it completes the grammar or ends in a stop token)."""
+
+    def takes(self, tokens: list[int]) -> int:
+        """How many leading tokens of a chain the grammar takes (the loop cuts the chain there)."""
+
+    def forced(self, path: Sequence[int], cap: int) -> list[int]:
+        """The tokens the grammar forces after path (at most cap): draft tokens that need no forward."""
 
 
 @dataclass
@@ -39,6 +59,10 @@ class DraftRequest:
     # forward checks guesses (lookahead, model.py) keeps the picks that its last forward's guesses
     # confirm past gamma, within this room: tokens that cost no draft forward of their own.
     room: int = 0
+    # The slot's output constraint, None for free text. A drafter that knows its distribution proposes only
+    # tokens it allows (masks its logits by it along each draft path); the loop cuts any draft at the first
+    # token it refuses.
+    grammar: DraftGrammar | None = None
 
 
 @dataclass

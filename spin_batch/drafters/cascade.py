@@ -24,6 +24,9 @@ The cascade proposes what one member proposed, with that member's q (None for a 
 it is exactly as lossless as its members. Members are configured drafters too: the loop admits
 and commits them itself, and a model member catches up on the steps it sat out.
 
+Under a grammar (DraftRequest.grammar), a member's chain counts only to the first token the grammar refuses,
+where the loop cuts it: a lookup copy the grammar refuses falls through to the model, which drafts what it allows.
+
 Token trees: the members get the request as it is, tree budget (`nodes`) included, and a member's
 tree is taken with its parents. A tree has "enough tokens" when its depth (longest root-to-leaf
 path) reaches min_tokens: the accepted length a tree can give is its depth, as a chain's is its
@@ -67,6 +70,8 @@ class CascadeDrafter(Drafter):
             for j, i in enumerate(open_):
                 draft, shape = prop.tokens[j], prop.tree(j)
                 depth = len(draft) if shape is None else tree_depth(shape)
+                if shape is None and reqs[i].grammar is not None:
+                    depth = reqs[i].grammar.takes(draft)  # the loop cuts the rest
                 if depth >= min(self.min_tokens, reqs[i].gamma) or k == last:
                     tokens[i], probs[i], shapes[i] = draft, prop.probs[j], shape
                     if draft:

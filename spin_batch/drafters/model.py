@@ -15,6 +15,12 @@ is still the draft's own pick from a row whose inputs are the committed tokens a
 guess row the pick did not confirm holds K/V the next forward overwrites. Sampling requests get no guesses (their draws would depend on
 which rows ran), and neither do drafts that read the target's features (a fed row needs the feature the
 draft predicted at the row before).
+
+Under a grammar (DraftRequest.grammar): every row's logits are masked by the grammar state along its draft
+path before anything is picked or drawn (mask_by_grammar; q is then the masked distribution), a chain stops
+where the grammar allows nothing more, and the tokens the grammar forces join a chain with no forward (fed
+with the next one; one-hot q), except in drafts that read the target's features. Unconstrained rows pay
+nothing.
 """
 
 from __future__ import annotations
@@ -88,6 +94,9 @@ class ModelDrafter(Drafter):
         starts, feeds, extras = self._catch_up(reqs)
         guessing = self.lookahead > 0 and extras is None
         live = list(range(len(reqs)))
+        if extras is None:  # what the grammar forces first is drafted with no forward, and fed with the catch-up
+            live = [i for i in live
+                    if self._force(reqs[i], drafts[i], qs[i], feeds[i]) and len(drafts[i]) < reqs[i].gamma]
         conf = [1.0] * len(reqs)  # product of the draft's top probabilities along each chain
         first = True
         while live:
@@ -103,11 +112,14 @@ class ModelDrafter(Drafter):
             owner = [k for k, g in enumerate(guesses) for _ in range(1 + len(g))]
             logits, nxt = self._step(flat, seg, None if extras is None else torch.cat([extras[i] for i in live]), rows)
             row_reqs = [reqs[live[k]] for k in owner]
+            # row n of a request's: its draft so far and its first n guesses
+            logits, dead = mask_by_grammar(logits, row_reqs, [drafts[i] + g[:n] for i, g in zip(live, guesses)
+                                                              for n in range(1 + len(g))], self.vocab_ids)
             top = self._top_prob(logits, row_reqs) if any(reqs[i].min_prob > 0 for i in live) else None
             # a row is picked from unless it is a sampling request's and the floor stops its chain there:
             # decided from q alone, before any token is drawn from it (greedy rows are all picked, which draws nothing)
-            keep = [j for j, r in enumerate(row_reqs)
-                    if r.sp.greedy or top is None or r.min_prob <= 0 or conf[live[owner[j]]] * top[j] >= r.min_prob]
+            keep = [j for j, r in enumerate(row_reqs) if j not in dead and (
+                    r.sp.greedy or top is None or r.min_prob <= 0 or conf[live[owner[j]]] * top[j] >= r.min_prob)]
             picked = self._pick(logits[keep] if len(keep) < len(rows) else logits, [row_reqs[j] for j in keep],
                                 [qs[live[owner[j]]] for j in keep],
                                 [len(row_reqs[j].tokens) + len(drafts[live[owner[j]]]) for j in keep])
@@ -116,29 +128,57 @@ class ModelDrafter(Drafter):
             for k, i in enumerate(live):
                 r, g, going = reqs[i], guesses[k], True
                 confirmed = 0  # guesses the draft's picks confirmed: their rows' K/V are the draft's own
+                forced: list[int] = []  # tokens the grammar forces after the last pick: drafted with no forward
                 for n in range(1 + len(g)):
                     row = j + n
+                    if row in dead:  # the grammar allows nothing here (or nothing this draft's vocabulary holds)
+                        going = False
+                        break
                     if top is not None and r.min_prob > 0:
                         conf[i] *= top[row]
                         if conf[i] < r.min_prob:
                             going = False
                             break
                     drafts[i].append(picks[row])
+                    if extras is None and r.grammar is not None:
+                        forced = [drafts[i][-1]]  # the pick and what the grammar forces after it: the next feed
+                        if not self._force(r, drafts[i], qs[i], forced):
+                            going = False
+                            break
+                        forced = forced[1:]
                     if len(drafts[i]) >= r.gamma:
                         going = False  # no forward past gamma, but this one's confirmed guesses run on
-                    if len(drafts[i]) >= r.gamma + self._past(r) or n == len(g) or picks[row] != g[n]:
+                    if len(drafts[i]) >= r.gamma + self._past(r) or n == len(g) or forced or picks[row] != g[n]:
                         break
                     confirmed += 1
                 j += 1 + len(g)
                 self._seen(r, starts[i] + len(feeds[i]) + confirmed, first=first)
                 if going:
                     starts[i] += len(feeds[i]) + confirmed
-                    feeds[i] = [drafts[i][-1]]
+                    feeds[i] = drafts[i][-1 - len(forced):]
                     if extras is not None:
                         extras[i] = nxt[k : k + 1]
                     still.append(i)
             live, first = still, False
         return Proposal(drafts, [torch.stack(q) if q else None for q in qs])
+
+    def _force(self, r: DraftRequest, draft: list[int], q: list[torch.Tensor], feed: list[int]) -> bool:
+        """Append to the draft (and to the feed) the tokens r's grammar forces after it, within gamma + room: no
+        forward picks them, so a sampling request's q is one-hot there. Whether the grammar allows more after them."""
+        if r.grammar is None:
+            return True
+        forced = r.grammar.forced(draft, r.gamma + r.room - len(draft))
+        draft.extend(forced)
+        feed.extend(forced)
+        if not r.sp.greedy and r.sp.sampler != "gumbel":
+            q.extend(self._one_hot(forced))
+        return not r.grammar.ends(draft)
+
+    def _one_hot(self, tokens: list[int]) -> list[torch.Tensor]:
+        """A q row [V] per token a rejection-sampling chain drafted deterministically (one-hot: exact)."""
+        rows = torch.zeros(len(tokens), self.model.spec.vocab_size, dtype=torch.float32)  # [n, V]
+        rows[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+        return list(rows.to(self.model.device))
 
     def _past(self, r: DraftRequest) -> int:
         """Draft tokens a chain may run past gamma: up to `lookahead`, within the request's room."""
@@ -212,11 +252,14 @@ class ModelDrafter(Drafter):
                reqs: list[DraftRequest]) -> None:
         """Offer each expanded node's top-k children: logits row j is the j-th expanded node's, in order."""
         owners = [(t, n, r) for t, e, r in zip(trees, expand, reqs) for n in e]
+        logits, dead = mask_by_grammar(logits, [r for _, _, r in owners], [t.path(n) for t, n, _ in owners],
+                                       self.vocab_ids)
         probs = self._probs(logits, [r for _, _, r in owners])  # [M, K]
         top = probs.topk(min(TREE_TOP_K, probs.shape[-1]), dim=-1)
         ids = top.indices if self.vocab_ids is None else self.vocab_ids[top.indices]
-        for (t, n, _), toks, ps in zip(owners, ids.tolist(), top.values.tolist()):
-            t.offer(n, list(zip(toks, ps)))
+        for j, ((t, n, _), toks, ps) in enumerate(zip(owners, ids.tolist(), top.values.tolist())):
+            if j not in dead:  # a refused child has probability 0: never offered
+                t.offer(n, list(zip(toks, ps)))
 
     def _probs(self, logits: torch.Tensor, reqs: list[DraftRequest]) -> torch.Tensor:
         """[M, K] the draft's distribution per row over its head's ids: a greedy request's softmax, a
@@ -305,6 +348,36 @@ class FeatureDrafter(ModelDrafter):
     def _seen(self, req: DraftRequest, end: int, first: bool) -> None:
         if first:  # only pairs with the target's own features count: positions < len(tokens) - 1
             self.lens[req.slot] = len(req.tokens) - 1
+
+
+def mask_by_grammar(logits: torch.Tensor, reqs: list[DraftRequest], paths: list[list[int]],
+                    vocab_ids: torch.Tensor | None) -> tuple[torch.Tensor, set[int]]:
+    """logits [M, K] (row j: reqs[j]'s next draft token after paths[j], the head's K ids target ids vocab_ids or
+    the first K) with every token the row's grammar refuses at -inf, and the rows where it allows none of the K
+    (left as they were: nothing is drafted there). Unconstrained rows are untouched, and with no constrained
+    row nothing is done at all."""
+    if all(r.grammar is None for r in reqs):
+        return logits, set()
+    by_slot: dict[int, list[int]] = {}  # each request's rows in one call, in order, so its walk shares their prefixes
+    for j, r in enumerate(reqs):
+        if r.grammar is not None:
+            by_slot.setdefault(r.slot, []).append(j)
+    order = [j for js in by_slot.values() for j in js]
+    refused = torch.cat([reqs[js[0]].grammar.refused([paths[j] for j in js]) for js in by_slot.values()])  # [m, V]
+    width = logits.shape[-1]
+    if vocab_ids is not None:
+        refused = refused[:, vocab_ids.cpu()]  # [m, K]
+    elif refused.shape[1] != width:  # a head wider than the target's vocabulary: its extra ids are refused
+        refused = torch.nn.functional.pad(refused[:, :width], (0, max(width - refused.shape[1], 0)), value=True)
+    none = refused.all(-1)  # [m]
+    refused &= ~none[:, None]
+    refused = refused.to(logits.device)
+    if order == list(range(logits.shape[0])):  # every row constrained, in order (one slot, or a constrained job)
+        masked = logits.masked_fill(refused, -torch.inf)
+    else:
+        at = torch.tensor(order, dtype=torch.long, device=logits.device)
+        masked = logits.index_put((at,), logits[at].masked_fill(refused, -torch.inf))
+    return masked, {order[k] for k in torch.nonzero(none).flatten().tolist()}
 
 
 def _advance(t: TreeGrowth) -> list[int]:

@@ -68,6 +68,14 @@ class TreeGrowth:
             return []
         return [n for n in new if self.depths[n] < self.depth_cap]
 
+    def path(self, n: int) -> list[int]:
+        """The tokens from the root to node n, n included (-1: the root, no token)."""
+        out: list[int] = []
+        while n >= 0:
+            out.append(self.tokens[n])
+            n = self.parents[n]
+        return out[::-1]
+
     def segment_parents(self) -> list[int]:
         """The tree with its root as token 0 (Segments' `parents`): node i is token 1 + i."""
         return [-1] + [a + 1 for a in self.parents]

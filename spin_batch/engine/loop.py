@@ -27,7 +27,7 @@ from ..sampling import SamplingParams
 from .logprobs import Scored, TokenTexts, prompt_rows, score_new_tokens, score_prompts
 from .controls import LogitControls, apply_controls, chain_prefixes, tree_prefixes
 from .settings import LoopSettings, refusal, request_settings, structured_of
-from .structured import Grammars, cut_proposal, mask_segments
+from .structured import DraftGrammar, Grammars, cut_proposal, mask_segments
 from .prefill_share import PrefillShare, SampleGroup, reuse_order, sample_generator
 from .prefix_cache import PrefixCache
 from .stopping import Stopping, StopRule
@@ -249,7 +249,9 @@ class BatchLoop:
         for name, idxs in by_drafter.items():
             reqs = [DraftRequest(decode[i].index, decode[i].tokens, choices[i].gamma, decode[i].gen, choices[i].min_prob,
                                  decode[i].sp, self._tree_budget(decode[i], choices[i], self.drafters[name]),
-                                 room=max(self._gamma_cap(decode[i]) - choices[i].gamma, 0)) for i in idxs]
+                                 room=max(self._gamma_cap(decode[i]) - choices[i].gamma, 0),
+                                 grammar=None if decode[i].grammar is None else DraftGrammar(decode[i].grammar))
+                    for i in idxs]
             t0 = time.perf_counter()
             prop = self.drafters[name].propose(reqs)
             seconds[name] = time.perf_counter() - t0

@@ -18,11 +18,13 @@ stop_token_ids) are allowed too. When the grammar can take no more tokens (stopp
 stops there, as at EOS. min_tokens does not hold a request past its grammar's end: a row that the
 controls would leave no token keeps the grammar's tokens with their raw logits.
 
-Drafts: a chain is cut at the first token the grammar refuses, a tree loses those nodes (and their
-subtrees), before the verify forward, where that keeps sampling exact: greedy rows, the Gumbel sampler
-(the text is fixed by the target's rows), and deterministic drafts (no q: a cut position draws from p,
-as a rejected one-hot draft would). A sampled model draft with its q keeps its tokens; the verifier
-rejects a refused one (p = 0 there).
+Drafts: a model drafter masks its own logits along each draft path (:class:`DraftGrammar`, a copy of the
+slot's matcher, handed to it as DraftRequest.grammar), so it proposes only tokens the grammar allows, and
+appends the tokens the grammar forces with no forward. Any proposal is then cut, a chain at the first token
+the grammar refuses, a tree without those nodes (and their subtrees), before the verify forward, where that
+keeps sampling exact: greedy rows, the Gumbel sampler (the text is fixed by the target's rows), and
+deterministic drafts (no q: a cut position draws from p, as a rejected one-hot draft would). A sampled draft
+with its q keeps its tokens; the verifier rejects a refused one (p = 0 there).
 
 Jump-forward: where the grammar allows exactly one continuation for the next tokens (a JSON key, its
 quotes and colon), a slot with no draft of its own proposes those tokens with no draft forward
@@ -58,6 +60,8 @@ class Grammars:
         self._compiled: dict[Structured, object] = {}
         self.mask_s = 0.0  # seconds in mask_segments() (bitmask fills and their application)
         self.mask_rows = 0  # rows masked
+        self.draft_mask_s = 0.0  # seconds in DraftGrammar.refused() (the drafters' masks)
+        self.draft_mask_rows = 0  # draft rows masked
 
     @property
     def engine_tok(self):
@@ -107,22 +111,28 @@ class GrammarState:
         self.eos = grammars.engine_tok.eos_token
         self.stopped = False  # the grammar takes no more tokens: the request ends
 
+    def goto(self, matcher, done: list[int], path: Sequence[int]) -> bool:
+        """Move matcher from the committed tokens + done (changed to match) to the committed tokens + path, rolling
+        back only past their shared prefix; False where the grammar refuses a token of path or path holds a stop
+        token (the matcher then at the longest prefix it takes)."""
+        c = 0
+        while c < min(len(done), len(path)) and done[c] == path[c]:
+            c += 1
+        if len(done) > c:
+            matcher.rollback(len(done) - c)
+            del done[c:]
+        for t in path[c:]:
+            if t in self.stops or t == self.eos or matcher.try_consume_tokens([t]) != 1:
+                return False
+            done.append(t)
+        return True
+
     def _walk(self, paths: Sequence[Sequence[int]], visit) -> None:
         """Visit each path's state in turn (visit(r, ok): ok when the grammar takes the whole path, the
         matcher then at its end), rolling back only past the shared prefix; back at the committed state after."""
         done: list[int] = []
         for r, path in enumerate(paths):
-            c = 0
-            while c < min(len(done), len(path)) and done[c] == path[c]:
-                c += 1
-            if len(done) > c:
-                self.m.rollback(len(done) - c)
-                del done[c:]
-            for t in path[c:]:
-                if t in self.stops or t == self.eos or self.m.try_consume_tokens([t]) != 1:
-                    break
-                done.append(t)
-            visit(r, len(done) == len(path))
+            visit(r, self.goto(self.m, done, path))
         if done:
             self.m.rollback(len(done))
 
@@ -182,10 +192,83 @@ class GrammarState:
         paths: list[list[int]] = []
         for x, a in zip(tokens, parents):
             paths.append((paths[a] if a >= 0 else []) + [x])
-        keep: list[int] = []  # a node is kept when the grammar takes its whole path (so its ancestors are kept)
-        self._walk(paths, lambda r, whole: keep.append(r) if whole else None)
+        keep: list[int] = []  # a node is kept when the grammar takes its whole path (so its ancestors are kept),
+        whole_paths: set[int] = set()  # or when it is a stop token where the grammar may end (a leaf, as in a chain)
+
+        def visit(r: int, whole: bool) -> None:
+            a, t = parents[r], tokens[r]
+            if whole:
+                whole_paths.add(r)
+            elif not ((t in self.stops or t == self.eos) and (a < 0 or a in whole_paths) and self.m.is_accepting()):
+                return  # (a stop token's parent path is whole: the walk stopped there, the matcher at its end)
+            keep.append(r)
+
+        self._walk(paths, visit)
         new_index = {old: j for j, old in enumerate(keep)}
         return ([tokens[i] for i in keep], [new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep], keep)
+
+
+class DraftGrammar:
+    """A slot's grammar as its drafter sees it for one step (DraftRequest.grammar): the tokens it allows after
+    each draft path. It walks its own copy of the slot's matcher, made on first use and moved from path to path
+    (rolled back past their shared prefix only), so the slot's committed state never moves."""
+
+    def __init__(self, state: GrammarState):
+        self.state = state
+        self._m = None  # the copy, at the committed tokens + _done
+        self._done: list[int] = []
+
+    def _open(self, path: Sequence[int]) -> bool:
+        """The copy at path; whether a token may follow it (the grammar takes it whole, it holds no stop token,
+        and the grammar is not complete there)."""
+        if self._m is None:
+            self._m = self.state.m.deep_copy()
+        return self.state.goto(self._m, self._done, path) and not self._m.is_stopped()
+
+    def ends(self, path: Sequence[int]) -> bool:
+        """Whether nothing may be drafted after path."""
+        return not self._open(path)
+
+    def refused(self, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+        """[n, V] bool, row r True where token i is refused after paths[r] (the grammar's tokens, and the
+        request's stop tokens where it may end); a row all True where nothing may follow paths[r]."""
+        t0 = time.perf_counter()
+        g = self.state.g
+        bitmask = torch.zeros((len(paths), (g.vocab + 31) // 32), dtype=torch.int32)  # a row left so refuses all
+        for r, path in enumerate(paths):
+            if self._open(path):
+                self._m.unsafe_compute_mask_ptr(bitmask[r].data_ptr(), bitmask.shape[1] * 4)
+        eos = self.state.eos
+        if 0 <= eos < g.vocab:  # allow_stops on the words: a stop token's bit is set where the EOS bit is
+            words = bitmask.numpy()
+            ends = (words[:, eos // 32] >> (eos % 32)) & 1  # [n]
+            for i in self.state.stops:
+                if 0 <= i < g.vocab:
+                    words[:, i // 32] |= ends << (i % 32)
+        refused = g.refused(bitmask)
+        g.draft_mask_s += time.perf_counter() - t0
+        g.draft_mask_rows += len(paths)
+        return refused
+
+    def takes(self, tokens: list[int]) -> int:
+        """How many leading tokens of a chain the grammar takes from the committed state (GrammarState.cut)."""
+        self._open([])
+        k = self._m.validate_tokens(tokens)
+        for i, t in enumerate(tokens[:k]):
+            if t in self.state.stops or t == self.state.eos:
+                return i + 1
+        return k
+
+    def forced(self, path: Sequence[int], cap: int) -> list[int]:
+        """The tokens the grammar forces after path (jump-forward, GrammarState.forced), at most cap."""
+        if cap <= 0 or not JUMP_FORWARD or not self._open(path):
+            return []
+        forced = list(self._m.compute_ff_tokens())[:cap]
+        forced = forced[: self._m.validate_tokens(forced)]
+        for i, t in enumerate(forced):
+            if t in self.state.stops or t == self.state.eos:
+                return forced[: i + 1]
+        return forced
 
 
 def mask_segments(out: torch.Tensor, raw: torch.Tensor,
