@@ -1,3 +1,3 @@
 """spin-batch: offline batch LLM inference with SPIN speculative decoding."""
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"

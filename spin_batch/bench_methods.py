@@ -65,7 +65,7 @@ def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots:
     policy = assigned_policy(drafters, gamma, assign, gate) if assign is not None else \
         make_policy(selector, drafters, gamma, confidence_gate=gate, backoff=backoff, tree_nodes=tree_nodes,
                     target_trees=engine.target.tree_segments)
-    memory = engine.memory if assign is None and selector != "none" else None
+    memory = engine.memory if assign is None and selector in ("ucb", "thompson") else None  # the bandits
     # the job's selection memory (memory.py): each run starts from what the runs before it learnt
     started_from = memory.runs if memory is not None and recall(memory, policy) else 0
     loop = BatchLoop(engine.target, engine.tokenizer, replace(engine.loop.cfg, pipeline=pipeline), policy, drafters,

@@ -125,7 +125,7 @@ class JointChoice:
         self.calibration = calibration or {}
         self.spend = {d: [chain_spend(g, c) for g in range(max(caps) + 1)] for d, c in goes_on.items()}
         self.n = len(caps)
-        self._memo: dict[tuple, tuple[float, int]] = {}  # _best by its arguments: passes repeat most of them
+        self._memo: dict[tuple, object] = {}  # _best, _pays, gain, _value by their arguments: passes repeat most
         self._open: set[int] | None = None  # the slots solve() gives best responses to (its open_); None: every slot
 
     def solve(self, open_: set[int] | None = None) -> list[tuple[str | None, int]]:
@@ -162,8 +162,11 @@ class JointChoice:
 
     def _pays(self, d: str, a: float, cap: int) -> bool:
         """Whether a chain of drafter d at rate a and cap beats plain decoding with no forward of its own to pay."""
-        return best_gamma(a, self.verify_price, self.lam * self.coeffs[d][1], self.spend[d][: cap + 1],
-                          past=self.past.get(d, NO_PAST), calibration=self.calibration.get(d, 1.0))[1] > 0
+        key = ("pays", d, a, cap)
+        if key not in self._memo:
+            self._memo[key] = best_gamma(a, self.verify_price, self.lam * self.coeffs[d][1], self.spend[d][: cap + 1],
+                                         past=self.past.get(d, NO_PAST), calibration=self.calibration.get(d, 1.0))
+        return self._memo[key][1] > 0
 
     def drain_bound(self) -> float:
         """An upper bound on drain_value over the choices that draft for every slot (any other is worth at
@@ -259,7 +262,7 @@ class JointChoice:
         return (d, g) if g else (None, 0)
 
     def _best(self, k: int, d: str, a: float, depth: float, shared: bool) -> tuple[float, int]:
-        key = (k, d, a, depth, shared)
+        key = (self.caps[k], d, a, depth, shared)  # slot k matters only by its cap: slots alike share an entry
         if key not in self._memo:
             f, s = self.coeffs[d]
             spend = self.spend[d][: self.caps[k] + 1]
@@ -272,12 +275,20 @@ class JointChoice:
 
     def gain(self, k: int, d: str, g: int) -> float:
         """Slot k's expected tokens from (d, g) at the posterior mean (chain_gain)."""
-        return chain_gain(g, self.means[k][d], self.past.get(d, NO_PAST), self.calibration.get(d, 1.0))
+        a = self.means[k][d]
+        key = ("gain", d, a, g)  # slots at the same mean (the pool's, until they draft) share it
+        if key not in self._memo:
+            self._memo[key] = chain_gain(g, a, self.past.get(d, NO_PAST), self.calibration.get(d, 1.0))
+        return self._memo[key]
 
     def _value(self, k: int, d: str, g: int) -> float:
         """chain_value of slot k's pick (d, g) at the posterior mean, its forwards aside."""
-        return chain_value(g, self.means[k][d], self.verify_price, self.lam * self.coeffs[d][1], self.spend[d][g],
-                           self.past.get(d, NO_PAST), self.calibration.get(d, 1.0))
+        a = self.means[k][d]
+        key = ("value", d, a, g)
+        if key not in self._memo:
+            self._memo[key] = chain_value(g, a, self.verify_price, self.lam * self.coeffs[d][1], self.spend[d][g],
+                                          self.past.get(d, NO_PAST), self.calibration.get(d, 1.0))
+        return self._memo[key]
 
     def _depths(self, picks: list[tuple[str | None, int]], skip: int = -1) -> dict[str, float]:
         """Per drafter, the draft positions its deepest slot runs (so its forwards), slot `skip` aside."""
