@@ -9,8 +9,10 @@ weight (BanditState.restore): its first steps already price the drafters and bac
 did not pay, and its own steps soon outweigh what it was given.
 
 A kind of run is the machine (the CPU's model name and the C build's flags, or the GPU's name; the thread
-count), the target (its folder, dtype and CPU path), the drafters as the job gives them, the spin settings
-and whether rows sample: what the learnt costs and rates depend on. The file is <digest>.json in
+count), the target (its folder, dtype and CPU path), the drafters as the job gives them, the spin settings,
+the slots and whether rows sample: what the learnt costs and rates depend on. The slots too, because the
+verify cost is fitted as a line over the step sizes a run meets: a line fitted at 64 slots, started from at
+4, priced the short steps there wrongly (`spin` at 4 slots fell from 1.28x to 1.10x of plain decoding). The file is <digest>.json in
 $SPIN_BATCH_SELECTION_MEMORY (default $SPIN_BATCH_CACHE/selection). It never changes a row's text (selection decides speed only).
 `spin.warm_start: false` turns it off; deleting the folder forgets everything.
 """
@@ -51,6 +53,7 @@ def memory_key(job: JobConfig, target, model_dir: Path) -> dict:
         "spin": {"selector": job.spin.selector, "num_speculative_tokens": job.spin.num_speculative_tokens,
                  "confidence_gate": job.spin.confidence_gate, "backoff": job.spin.backoff,
                  "tree_nodes": job.spin.tree_nodes},
+        "slots": job.batch.slots,
         "sampled": not job.sampling.greedy,
         "structured": job.sampling.structured is not None,
     }

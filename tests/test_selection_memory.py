@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -133,10 +134,12 @@ def test_jobs_save_and_start_from_their_memory_and_the_text_never_changes(tmp_pa
     saved = json.loads(next(memory_folder().glob("*.json")).read_text())
     assert saved["runs"] == 3 and saved["key"]["drafters"][0]["name"] == "ngram"
     assert math.isfinite(saved["state"]["pricing"]["cost"]["goodput"][1])
+    # another slot count is another kind of run (its verify line is fitted over other step sizes)
+    engine = build_engine(replace(job, batch=replace(job.batch, slots=2)))
+    assert engine.memory.runs == 0 and len(list(memory_folder().glob("*.json"))) == 1
     # off: nothing read, nothing written
     for f in memory_folder().glob("*.json"):
         f.unlink()
-    from dataclasses import replace
     off = replace(job, spin=replace(job.spin, warm_start=False))
     engine = build_engine(off)
     assert engine.memory is None
