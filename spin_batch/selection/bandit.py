@@ -8,66 +8,36 @@ rates against the cost model, is joint.JointChoice; the cost model is costs.py; 
 step gate is gate.StepGate.
 
 Token trees: a drafter that grows trees (`trees`) gets its node budget with its choice, each node
-priced by the confidence floor. Whether trees are offered at all is decided per batch size by
-StepGates over the steps that speculate, as the back-off decides speculation: the favoured mode
-runs unless the other one measures more goodput by the gate's margin. Trees are favoured at one
-decoding slot (TREES_FIRST_SLOTS), where rows are cheapest beside the step and trees measured ahead,
-chains above it, where they measured a few percent behind (BENCHMARKS.md, 2026-12-06 token trees):
-the cost model prices a node's verified row, not all a tree spends (its draft rounds re-feed the
-tree, the tree rule and the compaction run per slot), and a gap that small is the outcome's to settle.
+priced by the confidence floor. Whether trees are offered is decided per batch size by StepGates over
+the steps that speculate: the favoured mode (trees up to TREES_FIRST_SLOTS decoding slots, chains
+above) runs unless the other one measures more goodput by the gate's margin.
 
-Warm start: new requests start from the pooled posterior of all requests so far, scaled down to
-as many pseudo-observations as the drafter's spread between requests is worth (Spread: few where
-requests differ, so a request soon follows its own observations; many where they all agree, so one
-unlucky step does not turn a request from a drafter that is right in every request). Until a request drafts
-with a drafter, its prior for it follows the pool (it is warmed again at every step); from then on
-the request's own observations sit on the prior it had then. Warmed once at admission only, the
-requests already running when a costly drafter was first measured kept the cold prior for it (0.3)
-for their whole length, at which it never paid: at 4 slots, 16 demo prompts, the int8 copy of the
-target (96% of its tokens accepted) drafted in a third of the run's steps (BENCHMARKS.md). A prior
-that kept following the pool after the request's own observations drafted more at 16 slots, where
-drafting barely pays: 0.94x against 0.97x autoregressive (one bench each, ranges 0.93-0.95 and
-0.95-0.99), so it was not kept.
+Warm start of a request: it starts from the pooled posterior of all requests so far, scaled down to as
+many pseudo-observations as the drafter's spread between requests is worth (arms.Spread). Until the
+request drafts with a drafter, its prior for it follows the pool (warmed again at every step); from then
+on the request's own observations sit on the prior it had then.
 
-Probing: a drafter is first tried by one slot with a short draft (its cost unknown), then by one slot
-a step at the slot's cap until PROBE_PULLS steps in all have drafted with it, at batch sizes where it
-could pay at all (_could_pay). Counted in steps, not in observations: a poor drafter's chain gives
-about one observation a step, so probing it to 12 observations took ten steps of a short job (spin
-at 1 slot on 16 short requests, held to AVX2: 1.48x against 1.53x before probing). The joint choice
-sets gamma at the posterior mean, so without this a drafter whose first trial went badly was not
-drafted with again, whatever its cost would have bought.
+Probing: a drafter is first tried by one slot with a short draft (its cost unknown), then by one slot a
+step at the slot's cap until PROBE_PULLS steps in all have drafted with it, at batch sizes where it could
+pay at all (_could_pay).
 
 Exploration (ucb) is charged to the pool: a drafter's bonus shrinks with the evidence pooled over all
-requests (its pooled posterior plus the request's own), not only with the request's own few
-observations. Each request exploits its own posterior, but a drafter the job already knows well is
-not explored again in every new request. A bonus on a rate flatters a cheap draft far more than a
-costly one that is nearly always right (the int8 copy of the target: its value at 0.999 is hardly
-above its value at 0.95), so per-request exploration kept taking cheap drafts in its place: paired
-in one bench, 1.76x against 1.68x autoregressive at 1 slot and 1.34x against 1.27x at 4
-(BENCHMARKS.md, the int8 copy).
-The joint choice's closing step then keeps an optimistic pick only where it is also worth most at
-the posterior means (joint.JointChoice), so most exploration is the probing above and each request's
-prior following the pool until it drafts.
+requests, not only with the request's own observations. The joint choice's closing step keeps an
+optimistic pick only where it is also worth most at the posterior means (joint.JointChoice).
 
-Drain: once the request stream is done (Policy.on_drain), a token no longer frees a slot for the
-next request, and the job ends when its last request does. Any running request may be that one,
-so a step shortens the job only by the progress of its slowest slot: the drain values the joint
-choice at n times the least expected gain among its n slots instead of the sum of their gains
-(JointChoice.drain_value), and the step drafts nothing unless that beats plain decoding. A step
-that leaves any slot undrafted thus gains the job nothing and only pays for its drafts;
-speculation goes on where every slot's draft pays, as in the last few requests of a job. The drain
-limits the joint choice, not exploration: first trials and probes run in it too. It chooses among
-drafters the cost model has priced, so one never tried could never be chosen there, and a job with
-fewer rows than slots, all drain from its first step, drafted nothing at all (3 rows at 4 slots, 8 at
-16). A step that probes reaches no verdict against drafting and ends any standing one: it learns.
+Drain: once the request stream is done (Policy.on_drain), a step shortens the job only by the progress
+of its slowest slot: the joint choice is valued at n times the least expected gain among its n slots
+(JointChoice.drain_value), and the step drafts nothing unless that beats plain decoding. First trials
+and probes run in the drain too; a step that probes ends any standing verdict against drafting.
 
 Data in, data out: the settings (BanditSettings, frozen) apart from the running state (BanditState: the
 arms, the pool, the calibration, the gates, the drain); choose() returns the step's record (StepChoice:
 the choices, the gates' decisions, the joint choice's predictions) and learn() reads only that record and
 the outcomes. choose() runs its phases in order: the gates (_gates), the first trials and probes (_trials),
 the joint choice (_drained, _joint), gamma exploration (_explore), and the predictions (_predictions).
+BanditState.snapshot/restore carry what holds beyond a run into the next one (memory.py).
 
-The design is explained in docs/selection.md; the measurements behind it are in BENCHMARKS.md.
+Why each rule is as it is, with the measurements: docs/selection.md ("Why the bandit is built so").
 """
 
 from __future__ import annotations

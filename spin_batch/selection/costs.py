@@ -76,9 +76,9 @@ class DraftCost:
 class RatioEma:
     """Goodput over the recent steps as a whole: sum(decay^i * tokens) / sum(decay^i * seconds).
 
-    A decayed mean of per-step ratios weighs a short step as much as a long one, and the short steps of
-    a cheap draft that happened to be accepted in full gain the most per second: at 1 slot it ran at
-    up to 165 tokens/s in a run that made 90, pricing every costly draft forward nearly twice over."""
+    A decayed mean of per-step ratios would weigh a short step as much as a long one, and the short steps
+    of a cheap draft accepted in full gain the most per second: it would overprice every costly draft
+    forward."""
 
     def __init__(self, decay: float):
         self.decay = decay
@@ -108,7 +108,7 @@ class CostModel:
     The verify line is fitted on decode steps (no prefill chunk in the forward) once it has a few:
     a long prefill chunk costs less per token than the last few tokens of a decode step, and its
     leverage would pull c1 down to the prefill rate, so speculation would look cheaper than it is
-    at large batch (measured: BENCHMARKS.md, "selection policy A/Bs"). Until then, every step counts.
+    at large batch. Until then, every step counts.
     """
 
     def __init__(self, decay: float = 0.98):
@@ -160,9 +160,8 @@ class CostModel:
     def joining(self, drafter: str) -> int:
         """How many slots may draft with this drafter at once: twice the most its forwards have run together.
         Until forwards of many slots are measured, its fit puts their cost on forwards and takes joining as
-        free (DraftCost); at 16 slots the int8 copy of the target, measured on one slot, was chosen for all
-        sixteen, and its forwards then cost three times what one slot's had. Doubling, each step measures the
-        next width before the batch relies on it."""
+        free (DraftCost), so a costly drafter measured on one slot would be chosen for every slot at once.
+        Doubling, each step measures the next width before the batch relies on it."""
         e = self.drafts.get(drafter)
         return 2 * max(int(e.widest), 1) if e is not None else 1
 
@@ -218,9 +217,9 @@ class CostModel:
     def lam(self, slots: int | None = None) -> float:
         """The goodput (tokens per second) measured at `slots` decoding slots, else over all steps.
 
-        One goodput for the whole run priced a second at 4 slots' rate once the job's tail had left 1 or
-        2: there a costly, accurate draft (the int8 copy of the target) looked twice as dear as it was
-        and cheap drafts took its place (BENCHMARKS.md, 2026-12-07)."""
+        A second is worth what the batch makes of it at its size now: one goodput for the whole run would
+        price the job's tail of 1 or 2 slots at the full batch's rate, where a costly, accurate draft looks
+        far dearer than it is."""
         at = self.goodput_at.get(slots) if slots is not None else None
         return at.value if at is not None else self.goodput.value
 
@@ -245,8 +244,7 @@ class Pricing:
         lam = self.cost.lam(slots)
         if slots and c0 + c1 > 0:
             # plain decoding is always there to choose, so the best goodput is at least its rate: a goodput
-            # that the batch's own costly drafts held below it priced their seconds too cheap (16 slots,
-            # cap 8: the int8 copy drafted for every slot at 411 tokens/s where plain steps made 464)
+            # that the batch's own costly drafts held below it would price their seconds too cheap
             lam = max(lam, slots / (c0 + c1 * slots))
         return lam * c1, lam
 
