@@ -11,8 +11,8 @@ did not pay, and its own steps soon outweigh what it was given.
 A kind of run is the machine (the CPU's model name and the C build's flags, or the GPU's name; the thread
 count), the target (its folder, dtype and CPU path), the drafters as the job gives them, the spin settings,
 the slots and whether rows sample: what the learnt costs and rates depend on. The slots too, because the
-verify cost is fitted as a line over the step sizes a run meets: a line fitted at 64 slots, started from at
-4, priced the short steps there wrongly (`spin` at 4 slots fell from 1.28x to 1.10x of plain decoding). The file is <digest>.json in
+verify cost is fitted as a line over the step sizes a run meets, and a line fitted at many slots misprices
+the short steps of a run at few. The file is <digest>.json in
 $SPIN_BATCH_SELECTION_MEMORY (default $SPIN_BATCH_CACHE/selection). It never changes a row's text (selection decides speed only).
 `spin.warm_start: false` turns it off; deleting the folder forgets everything.
 """

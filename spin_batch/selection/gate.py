@@ -165,8 +165,7 @@ class StepGate:
     def refresh(lead: float) -> float:
         """Steps between bursts while speculation leads by `lead` (log goodput ratio; 0 while it does not):
         a burst of plain decoding gives up 1 - exp(-lead) of each of its steps' worth, so spaced to cost
-        GATE_COST of goodput. At 1 slot (2.2x, lead 0.8) that is every 165 steps: at every 64, the cap
-        before, bursts ran 15 of 290 steps of the demo job at 1 slot, about 2% of its time."""
+        GATE_COST of goodput (the figures: docs/selection.md, Back-off)."""
         return max(GATE_REFRESH, GATE_BURST * (1.0 - math.exp(-max(lead, 0.0))) / GATE_COST)
 
     def observe(self, slots: int, speculate: bool, tokens: int, seconds: float) -> None:
