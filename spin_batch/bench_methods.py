@@ -66,6 +66,8 @@ def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots:
         make_policy(selector, drafters, gamma, confidence_gate=gate, backoff=backoff, tree_nodes=tree_nodes,
                     target_trees=engine.target.tree_segments)
     memory = engine.memory if assign is None and selector in ("ucb", "thompson") else None  # the bandits
+    if memory is not None and not memory.fits(gamma, gate, backoff, tree_nodes):
+        memory = None  # a variant of the job's spin settings (spin-nobackoff, ...): learns from scratch
     # the job's selection memory (memory.py): each run starts from what the runs before it learnt
     started_from = memory.runs if memory is not None and recall(memory, policy) else 0
     loop = BatchLoop(engine.target, engine.tokenizer, replace(engine.loop.cfg, pipeline=pipeline), policy, drafters,

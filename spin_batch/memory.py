@@ -73,6 +73,13 @@ class SelectionMemory:
         self.path = (folder or memory_folder()) / f"{digest}.json"
         self.runs = 0  # runs that have saved into the file, as far as this object has read or written it
 
+    def fits(self, gamma: int, confidence_gate: bool, backoff: bool, tree_nodes: int) -> bool:
+        """Whether a policy with these settings is the kind this memory holds (a bench runs variants of the job's
+        spin settings: spin-nobackoff must neither start from nor overwrite the gate verdicts of spin)."""
+        spin = self.key["spin"]
+        return (spin["num_speculative_tokens"], spin["confidence_gate"], spin["backoff"], spin["tree_nodes"]) == \
+            (gamma, confidence_gate, backoff, tree_nodes)
+
     def load(self) -> dict | None:
         """The state the last run saved, or None: no file yet, another layout or kind, or a file that does not
         read (then a warning: the job goes on and learns from scratch)."""

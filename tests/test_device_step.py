@@ -121,6 +121,15 @@ def _long_requests(n: int) -> list[Request]:
 def test_queuing_200_steps_reads_nothing_back(target, gamma):
     model, tok = target
     loop = DeviceLoop(model, tok, _settings(4, max_model_len=2048, max_tokens=1900), DeviceDrafting(gamma=gamma))
+    inside, outside = _queue_200_steps(loop, tok)
+    assert sum(inside.values()) == 0, inside
+    assert outside["tolist"] == 199  # the host reads one record per step, one step behind
+    assert loop.steps == 200 and loop.host_reads == 199
+
+
+def _queue_200_steps(loop, tok) -> tuple[dict, dict]:
+    """Admit four long requests, queue 200 steps and collect behind them; the audited calls (inside the queued
+    steps, and in the collects outside them)."""
     for r in _long_requests(4):
         loop.admit(r, tok.encode(r.prompt))
     inside = {name: 0 for name in AUDITED}
@@ -135,9 +144,7 @@ def test_queuing_200_steps_reads_nothing_back(target, gamma):
                 assert not loop.collect()  # nobody finishes
         for k, v in calls.items():
             outside[k] += v
-    assert sum(inside.values()) == 0, inside
-    assert outside["tolist"] == 199  # the host reads one record per step, one step behind
-    assert loop.steps == 200 and loop.host_reads == 199
+    return inside, outside
 
 
 def test_the_audit_sees_the_loops_host_reads(target):
@@ -303,16 +310,7 @@ def test_queuing_200_model_chain_steps_reads_nothing_back(target, tiny_dir, tiny
     model, tok = target
     loop = DeviceLoop(model, tok, _settings(4, max_model_len=2048, max_tokens=1900), DeviceDrafting(gamma=4),
                       _model_drafter(kind, target, tiny_dir, tiny_draft_dir))
-    for r in _long_requests(4):
-        loop.admit(r, tok.encode(r.prompt))
-    inside = {name: 0 for name in AUDITED}
-    for _ in range(200):
-        with audit() as calls:
-            assert loop.queue() is not None
-        for k, v in calls.items():
-            inside[k] += v
-        if len(loop.queued) > 1:
-            assert not loop.collect()
+    inside, _ = _queue_200_steps(loop, tok)
     assert sum(inside.values()) == 0, inside
     assert loop.steps == 200 and int(loop.counters[:4, 1].sum()) > 0  # the chains drafted
 

@@ -145,3 +145,12 @@ def test_jobs_save_and_start_from_their_memory_and_the_text_never_changes(tmp_pa
     assert engine.memory is None
     run_all(engine.loop, [Request(source=f"m#{r['id']}", id=r["id"], prompt=r["prompt"], messages=None) for r in rows])
     assert not list(memory_folder().glob("*.json"))
+
+
+def test_a_bench_variant_of_the_spin_settings_is_not_the_kind_the_memory_holds(tmp_path):
+    spin = {"selector": "ucb", "num_speculative_tokens": 8, "confidence_gate": True, "backoff": True,
+            "tree_nodes": 16}
+    memory = SelectionMemory({"version": 1, "spin": spin}, tmp_path)
+    assert memory.fits(8, True, True, 16)
+    assert not memory.fits(8, True, False, 16)  # spin-nobackoff: would save a state with no gate verdicts
+    assert not memory.fits(8, False, True, 16) and not memory.fits(8, True, True, 0) and not memory.fits(4, True, True, 16)
