@@ -24,7 +24,7 @@ Methods (extensible through METHODS):
 - oracle: a hindsight schedule, then run. From the runs above, each request is given the method
   (a fixed drafter, or no drafting) that cost it the least time, where a request's time is its
   share of each step; then the loop runs once more with every request on its given method.
-- llamacpp:f32 / llamacpp:f16 / llamacpp:source: llama.cpp on the target's GGUF (optional, needs
+- llamacpp:f32 / llamacpp:f16 / llamacpp:q8_0 / llamacpp:source: llama.cpp on the target's GGUF (optional, needs
   llama-cpp-python; see spin_batch/llamacpp.py), the same prompts, slots and greedy decoding. Its
   outputs are not required to equal ours; the report says how many do.
 - oracle-bound: the same choices, timed by adding up those per-request shares instead. It is not a

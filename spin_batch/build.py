@@ -246,6 +246,16 @@ def make_prefix_cache(job: JobConfig, target) -> PrefixCache | None:
     return PrefixCache(job.batch.prefix_cache_mb << 20)
 
 
+def int8_target(target, target_dir: Path) -> LlamaModel:
+    """target.quantize: int8: the target's int8 copy (every logit from its int8 head) in its place; the float32
+    or bfloat16 layers are dropped."""
+    if not isinstance(target, LlamaModel) or not target.plan.c_library:
+        raise ValueError("target.quantize: int8 runs on the C int8 GEMM: the native backend on CPU with the C "
+                         "kernels (target.kernels auto or c; `spin-batch env` says whether they build here)")
+    state = loader.load_state_dict(target_dir)
+    return target.int8_copy(state, draft=False)
+
+
 def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     t0 = time.perf_counter()
     if job.target.dtype == "auto":  # where the caller has not resolved it (preflight.resolve_dtype does)
@@ -258,6 +268,8 @@ def build_engine(job: JobConfig, stats: RunStats | None = None) -> Engine:
     target = loader.load_model(target_dir, job.target.dtype, device, loop,
                                execution=loader.resolve_execution(job.target.kernels, device),
                                backend=job.target.backend, trust_remote_code=job.target.trust_remote_code)
+    if job.target.quantize == "int8":
+        target = int8_target(target, target_dir)
     cache = target.allocate_cache(job.batch.slots, job.batch.max_model_len)
     drafters = build_drafters(job, target, cache, device)
     policy = make_policy(job.spin.selector, drafters, job.spin.num_speculative_tokens, job.sampling.seed,

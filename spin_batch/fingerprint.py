@@ -72,6 +72,8 @@ def fingerprint(job: JobConfig) -> dict[str, Any]:
                 "input.chat_template_kwargs": i.chat_template_kwargs}
     unset = {"sampling.repetition_penalty": 1.0, "input.chat_template_kwargs": None}
     fp.update({k: v for k, v in controls.items() if v != unset.get(k, 0 if isinstance(v, float | int) else [])})
+    if job.target.quantize != "none":  # the int8 target's text (absent when none: older outputs keep theirs)
+        fp["target.quantize"] = job.target.quantize
     if s.n != 1:  # samples per prompt (absent at 1, so older outputs keep their fingerprint)
         fp["sampling.n"] = s.n
     return json.loads(json.dumps(fp))

@@ -1,12 +1,14 @@
-"""llama.cpp as a reference engine in `spin-batch bench`: methods llamacpp:f32, llamacpp:f16, llamacpp:source.
+"""llama.cpp as a reference engine in `spin-batch bench`: methods llamacpp:f32, llamacpp:f16, llamacpp:q8_0,
+llamacpp:source.
 
 Optional: it needs `pip install llama-cpp-python` (it builds llama.cpp from source, a few
 minutes). The point is a reference measured on the same machine in the same run, since CPUs
 differ by 2x in memory bandwidth and the absolute figures mean little across machines.
 
 The weights come from the target's GGUF (builtin: targets ship one; a model directory may hold
-one). f32 and f16 re-encode it once into the cache: every quantised tensor is dequantised to
-float32 and written as F32 or F16 (1-D tensors stay F32, as llama.cpp's converters leave them).
+one). f32, f16 and q8_0 re-encode it once into the cache: every quantised tensor is dequantised to
+float32 and written as F32, F16 or Q8_0 (1-D tensors stay F32, as llama.cpp's converters leave them).
+q8_0 is llama.cpp's int8 format (a scale per 32 weights), beside which `target.quantize: int8` runs.
 The builtin GGUF is Q4_1, so its f32 re-encoding holds exactly the weights our fp32 safetensors
 hold. `source` runs the GGUF as shipped.
 
@@ -28,7 +30,7 @@ import numpy as np
 from .cachedir import cache_root, cached_file
 from .models import loader
 
-FORMATS = ("f32", "f16", "source")
+FORMATS = ("f32", "f16", "q8_0", "source")
 
 
 class LlamaCppUnavailable(RuntimeError):
@@ -55,7 +57,7 @@ def source_gguf(model_spec: str, model_dir: Path) -> Path:
 
 
 def reencoded(src: Path, fmt: str) -> Path:
-    """src re-encoded as fmt ('f32' or 'f16') in the cache, made once under a lock; 'source' is src."""
+    """src re-encoded as fmt ('f32', 'f16' or 'q8_0') in the cache, made once under a lock; 'source' is src."""
     if fmt == "source":
         return src
     if fmt not in FORMATS:
@@ -75,13 +77,17 @@ def _reencode(src: Path, dst: Path, fmt: str) -> None:
             continue
         value = field.contents()
         if key == "general.file_type":
-            value = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}[fmt]
+            value = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[fmt]
         sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, field.types[0], sub_type=sub)
     for t in reader.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         if fmt == "f16" and w.ndim > 1:
             writer.add_tensor(t.name, w.astype(np.float16), raw_dtype=gguf.GGMLQuantizationType.F16)
+        elif fmt == "q8_0" and w.ndim > 1:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(t.name, gguf.quants.quantize(w, q8), raw_dtype=q8)
         else:
             writer.add_tensor(t.name, w, raw_dtype=gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()

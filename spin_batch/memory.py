@@ -47,7 +47,8 @@ def memory_key(job: JobConfig, target, model_dir: Path) -> dict:
     return {
         "version": VERSION,
         "machine": {**machine, "threads": torch.get_num_threads()},
-        "target": {"model": str(model_dir), "dtype": job.target.dtype, "backend": plan.backend,
+        "target": {"model": str(model_dir), "dtype": job.target.dtype,
+                   "quantize": job.target.quantize, "backend": plan.backend,
                    "layers": plan.cpu.layers, "lm_head": plan.cpu.lm_head},
         "drafters": [json.loads(json.dumps(dataclasses.asdict(d), default=str)) for d in job.drafters],
         "spin": {"selector": job.spin.selector, "num_speculative_tokens": job.spin.num_speculative_tokens,

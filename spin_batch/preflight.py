@@ -40,6 +40,23 @@ def check_output(job: JobConfig) -> list[str]:
     return [f"output.dir: {p}" for p in dir_problem(Path(job.output.dir))]
 
 
+def quantize_problems(job: JobConfig, backend: str, device: torch.device) -> list[str]:
+    """Why target.quantize cannot run here: it needs the native backend on CPU with the C kernels, a float32 or
+    bfloat16 checkpoint to quantize, and no drafter that is the target's int8 copy (the target already is)."""
+    t = job.target
+    problems = []
+    if backend != loader.NATIVE or device.type != "cpu" or t.kernels not in ("auto", "c"):
+        problems.append(f"target.quantize: {t.quantize} runs on the C int8 GEMM: the native backend on CPU with "
+                        f"target.kernels auto or c (here: backend {backend}, device {device.type}, kernels {t.kernels})")
+    if t.dtype != "auto" and loader.DTYPES[t.dtype] not in (torch.float32, torch.bfloat16):
+        problems.append(f"target.quantize: {t.quantize} quantizes float32 or bfloat16 weights; target.dtype is {t.dtype}")
+    problems += [f"drafters.{d.name}: quantize: {d.quantize} is the target's own int8 copy, and with target.quantize: "
+                 f"{t.quantize} the target already is that copy: drop this drafter (an early_exit drafter with layers "
+                 "drafts with the int8 target's first layers)"
+                 for d in job.drafters if isinstance(d, EarlyExitDrafterConfig) and d.quantize != "none"]
+    return problems
+
+
 def check_models(job: JobConfig) -> list[str]:
     """Model-level problems of a job, without loading weights: the device, missing or unreadable model
     folders, checkpoints whose tensors do not fit their config.json (safetensors headers only), missing
@@ -73,6 +90,8 @@ def check_models(job: JobConfig) -> list[str]:
         if window:
             problems.append(f"target.model: {window}; set batch.max_model_len to {spec.sliding_window} or less, "
                             "or target.backend: transformers")
+    if target.quantize != "none":
+        problems += quantize_problems(job, backend, device)
     try:
         target_vocab = loader.load_tokenizer(target_dir, target.trust_remote_code).get_vocab()
     except loader.TokenizerError as e:

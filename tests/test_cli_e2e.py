@@ -768,6 +768,20 @@ def test_validate_model_checks(tmp_path, tiny_dir, tiny_draft_dir, other_tokeniz
     result = _validate(job)
     assert result.exit_code != 0 and "with a float32 or bfloat16 target only" in result.output, _describe(result)
 
+    # target.quantize: int8: the C int8 GEMM on CPU, float32 or bfloat16 weights, no int8-copy drafter beside it
+    job, _ = make_job(tmp_path, tiny_dir, [src], name="t8", target={"quantize": "int8"},
+                      drafters=[{"name": "exit1", "kind": "early_exit", "layers": 1}])
+    assert _validate(job).exit_code == 0
+    for name, target, drafters, says in (
+            ("t8q8", {"quantize": "int8"}, [{"name": "q8", "kind": "early_exit", "quantize": "int8"}],
+             "the target already is that copy"),
+            ("t8hf", {"quantize": "int8", "backend": "transformers"}, [], "runs on the C int8 GEMM"),
+            ("t8torch", {"quantize": "int8", "kernels": "torch"}, [], "kernels torch"),
+            ("t8fp16", {"quantize": "int8", "dtype": "float16"}, [], "target.dtype is float16")):
+        job, _ = make_job(tmp_path, tiny_dir, [src], name=name, target=target, drafters=drafters)
+        result = _validate(job)
+        assert result.exit_code != 0 and says in result.output, (name, _describe(result))
+
     no_model = job_with("nomodel", [], model=tmp_path / "no-such-model")
     result = _validate(no_model)
     assert result.exit_code != 0 and "not a model directory" in result.output, _describe(result)
@@ -907,6 +921,34 @@ def test_stop_strings_truncate_text(tmp_path, tiny_dir):
         assert steps + spec[i]["num_accepted_draft_tokens"] <= spec[i]["completion_tokens"] <= \
             steps + 1 + spec[i]["num_accepted_draft_tokens"], spec[i]
     assert any(spec[i]["num_accepted_draft_tokens"] > spec[i]["num_spec_steps"] for i in ids)  # several a step
+
+
+def test_an_int8_target_writes_the_int8_models_text_whatever_drafts_it_and_at_any_batch_size(tmp_path, tiny_dir):
+    """`target.quantize: int8` through `run`: the text of plain decoding at one slot, at 4 slots, and with
+    speculation (the int8 target's first layer and n-gram drafts) is the same; it differs from the float32
+    target's somewhere; the fingerprint tells the two jobs apart."""
+    src = write_jsonl(tmp_path / "in" / "prompts.jsonl", prompt_rows(6))
+    q8 = {"quantize": "int8"}
+    drafts = [{"name": "exit1", "kind": "early_exit", "layers": 1}, {"name": "ngram", "kind": "ngram"}]
+    one, one_out = make_job(tmp_path, tiny_dir, [src], name="one", target=q8, batch={"slots": 1})
+    four, four_out = make_job(tmp_path, tiny_dir, [src], name="four", target=q8, batch={"slots": 4})
+    spec, spec_out = make_job(tmp_path, tiny_dir, [src], name="spec", target=q8, drafters=drafts,
+                              spin={"num_speculative_tokens": 4}, batch={"slots": 4})
+    full, full_out = make_job(tmp_path, tiny_dir, [src], name="full")
+    for job in (one, four, spec, full):
+        run_ok(job)
+    ids = [f"r{i:03d}" for i in range(6)]
+    want = assert_each_id_once(one_out, ids)
+    for out in (four_out, spec_out):
+        got = assert_each_id_once(out, ids)
+        assert all(got[i]["text"] == want[i]["text"] for i in ids), out
+    stats = json.loads((spec_out / "summary.json").read_text())["drafters"]
+    assert sum(d["draft_tokens"] * (d["acceptance_rate"] or 0) for d in stats.values()) > 0, stats
+    float32 = assert_each_id_once(full_out, ids)
+    assert any(float32[i]["text"] != want[i]["text"] for i in ids)
+    fp = json.loads((one_out / "job-fingerprint.json").read_text())["fingerprint"]
+    assert fp["target.quantize"] == "int8"
+    assert "target.quantize" not in json.loads((full_out / "job-fingerprint.json").read_text())["fingerprint"]
 
 
 def test_the_int8_copy_of_the_target_drafts_and_the_text_is_the_targets(tmp_path, tiny_dir):

@@ -57,6 +57,32 @@ def test_f32_reencoding_holds_exactly_our_fp32_weights():
     assert reader.fields["tokenizer.ggml.tokens"].contents() == original.fields["tokenizer.ggml.tokens"].contents()
 
 
+@pytest.mark.slow
+@needs_embedded
+def test_q8_0_reencoding_holds_our_weights_in_llama_cpps_int8_format():
+    """llamacpp:q8_0: the 2-D tensors as Q8_0 (a scale per 32 weights), each within half a step of its block's scale
+    (kept in float16) of our float32 weight; 1-D tensors exact."""
+    import gguf
+    from safetensors.torch import load_file
+
+    src = llamacpp.source_gguf("builtin:smollm2-135m", loader.ensure_builtin("smollm2-135m"))
+    reader = gguf.GGUFReader(str(llamacpp.reencoded(src, "q8_0")))
+    ours = load_file(str(loader.ensure_builtin("smollm2-135m") / "model.safetensors"))
+    tensors = {t.name: t for t in reader.tensors}
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q8_0
+    for name, key in SAME_LAYOUT.items():
+        t = tensors[name]
+        want = ours[key].float()
+        got = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)).reshape(want.shape)
+        if want.dim() == 1:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32 and torch.equal(got, want), name
+            continue
+        assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0, name
+        step = want.reshape(-1, 32).abs().amax(-1, keepdim=True) / 127  # each block's scale
+        # half a step, and the scale kept in float16 (127 steps of its rounding)
+        assert ((got.reshape(-1, 32) - want.reshape(-1, 32)).abs() <= step * (0.5 + 127 * 2**-11) + 1e-6).all(), name
+
+
 def test_a_non_builtin_target_needs_one_gguf(tmp_path):
     with pytest.raises(llamacpp.LlamaCppUnavailable, match="exactly one .gguf"):
         llamacpp.source_gguf(str(tmp_path), tmp_path)
@@ -79,7 +105,7 @@ def test_methods_are_checked_before_any_model_loads(job, monkeypatch):
     with pytest.raises(ValueError, match="pip install llama-cpp-python"):
         bench.check_methods(["llamacpp:f32"], job)
     monkeypatch.setattr(llamacpp, "available", lambda: True)
-    bench.check_methods(["autoregressive", "llamacpp:f32", "llamacpp:f16", "llamacpp:source"], job)
+    bench.check_methods(["autoregressive", "llamacpp:f32", "llamacpp:f16", "llamacpp:q8_0", "llamacpp:source"], job)
 
 
 def _run(method: str, tokens: dict[str, list[int]], repeat: int = 0) -> MethodRun:

@@ -174,3 +174,18 @@ def test_int8_copy_of_a_bfloat16_model_runs_in_one_c_call_and_agrees_with_its_to
     assert got.dtype == torch.float32 and torch.isfinite(got).all() and not torch.equal(got, want)
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree >= 0.5, agree  # a draft: close to the target, not equal
+
+
+def test_an_int8_target_gets_every_logit_from_the_int8_head(tiny_dir):
+    """int8_copy(draft=False), the copy target.quantize: int8 runs: its head is the int8 Linear on every id (a
+    target's logits feed logprobs and sampling), where a draft's copy has the int4-scored RescoredHead."""
+    target = load_model(tiny_dir)
+    state = load_state_dict(tiny_dir)
+    full, draft = target.int8_copy(state, draft=False), target.int8_copy(state)
+    head = full.lm_head
+    assert isinstance(head, Linear) and (head.panel is not None or head.scale is not None)
+    x = torch.randn(5, target.spec.hidden_size)
+    assert torch.equal(head(x), Linear(state["lm_head.weight" if "lm_head.weight" in state else
+                                             "model.embed_tokens.weight"], quantize=True)(x))
+    if target.plan.c_library:
+        assert isinstance(draft.lm_head, RescoredHead)

@@ -135,6 +135,10 @@ class TargetConfig:
     # Mistral, Qwen2; else transformers) | native | transformers (transformers' modelling code, our attention)
     backend: Literal["auto", "native", "transformers"] = "auto"
     trust_remote_code: bool = False  # the transformers backend may run modelling code shipped in the folder
+    # int8: the target itself runs with int8 weights and int8 inputs on the C int8 GEMM (models/quantize.py), a
+    # quarter of float32's bytes a token; its text is the int8 model's (docs/numerics.md), every run and every
+    # batch size, and speculation stays exact to it. none: the weights as loaded.
+    quantize: Literal["none", "int8"] = "none"
     # the names OpenAI lines may give as body.model, the first one named in responses (vLLM's
     # --served-model-name); empty: target.model. A line naming another model is an error line.
     served_model_name: tuple[str, ...] = ()
@@ -159,6 +163,7 @@ class TargetConfig:
             kernels=s.take("kernels", _choice("auto", "c", "torch", "triton")),
             backend=s.take("backend", _choice(*BACKENDS)),
             trust_remote_code=s.take("trust_remote_code", _bool),
+            quantize=s.take("quantize", _choice("none", "int8")),
             served_model_name=s.take("served_model_name", _texts(nonempty=False)),
         )
         if s.ok("device", "kernels") and target.kernels == "c" and target.device.startswith("cuda"):

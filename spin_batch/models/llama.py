@@ -264,10 +264,12 @@ class LlamaModel:
             )
         return layers
 
-    def int8_copy(self, state_dict: dict[str, torch.Tensor], num_layers: int | None = None) -> "LlamaModel":
+    def int8_copy(self, state_dict: dict[str, torch.Tensor], num_layers: int | None = None,
+                  draft: bool = True) -> "LlamaModel":
         """This model's first num_layers layers (all by default) with int8 linears and LM head (quantize.py),
-        sharing its embedding, final norm and kernels: a draft. state_dict: this model's checkpoint (the
-        packed weights are not read back)."""
+        sharing its embedding, final norm and kernels. state_dict: this model's checkpoint (the packed weights
+        are not read back). draft: the head a draft needs on the C path (int4 scores, the best rescored in
+        int8); else every logit from the int8 head, as a target's must be (target.quantize: int8)."""
 
         def get(name: str) -> torch.Tensor:
             return state_dict[name].to(device=self.device, dtype=self.dtype)
@@ -277,7 +279,7 @@ class LlamaModel:
         plan = self.plan.with_cpu(INT8_C if self.plan.c_library else TORCH, attention_shape(self.spec))
         layers = self.layers_from_state_dict(self.spec, get, plan.linears, quantize=True, num_layers=num_layers)
         head = get(HEAD_TENSOR if HEAD_TENSOR in state_dict else EMBED_TENSOR)
-        if plan.c_library:  # the int4 head rescored in int8 (quantize.py), on float32 rows
+        if plan.c_library and draft:  # the int4 head rescored in int8 (quantize.py), on float32 rows
             head = RescoredHead(plan.lib, head)
         return LlamaModel(self.spec, self.embed, layers, self.norm, head, quantize=True, plan=plan)
 

@@ -21,7 +21,7 @@
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #define Q8_KIND "avx512_vnni"
 #define Q8_OFFSET 128
-#define Q8_MR 12
+#define Q8_MR 8 /* 16 accumulators, 2 weight vectors and the broadcasts fit the 32 registers; 12 rows spill */
 #elif defined(__AVX2__)
 #define Q8_KIND "avx2"
 #define Q8_OFFSET 0
@@ -302,8 +302,8 @@ static inline __attribute__((always_inline)) void q_gemm(const float *x, const u
 #if Q8_MR >= 2
                 Q_CASE(2)
 #endif
-#if Q8_MR >= 12
-                Q_CASE(3) Q_CASE(4) Q_CASE(5) Q_CASE(6) Q_CASE(7) Q_CASE(8) Q_CASE(9) Q_CASE(10) Q_CASE(11) Q_CASE(12)
+#if Q8_MR >= 8
+                Q_CASE(3) Q_CASE(4) Q_CASE(5) Q_CASE(6) Q_CASE(7) Q_CASE(8)
 #endif
 #undef Q_CASE
             }
