@@ -38,9 +38,12 @@ class LlamaCppUnavailable(RuntimeError):
 
 
 def available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("llama_cpp") is not None
+    """Whether llama-cpp-python imports here (installed with its dependencies, its library loadable)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception:  # ImportError, or its library failing to load (OSError)
+        return False
+    return True
 
 
 def source_gguf(model_spec: str, model_dir: Path) -> Path:
