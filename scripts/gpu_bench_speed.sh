@@ -17,7 +17,7 @@ BUDGET=${GPU_BENCH_SPEED_S:-60}
 if [ "${GPU_BENCH_DRY:-0}" = 1 ]; then
   export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
   SHAPES=tiny
-  ARGS=(--device cpu --dtype float32 --slots 1,2 --steps 3 --accept 0,4)
+  ARGS=(--device cpu --dtype float32 --slots 1 --steps 2 --accept 0,4)
 else
   SHAPES="llama-3.2-1b llama-3.1-8b"
   ARGS=(--device cuda --dtype bfloat16 --slots 1,16 --steps 16 --gamma 4 --accept 0,2,4)
