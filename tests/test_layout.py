@@ -21,7 +21,7 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 # everything under it, `__init__` for spin_batch's own, `spin_kernels` for the kernels) and the units they may
 # import. The units of one row may import each other (the cycle test still holds between their modules).
 TABLE: list[tuple[tuple[str, ...], set[str]]] = [
-    (("cli",), {"runner", "distill", "bench", "preflight", "outcome", "export", "report", "models", "io", "config",
+    (("cli",), {"runner", "distill", "bench", "bench_speed", "preflight", "outcome", "export", "report", "models", "io", "config",
                 "__init__"}),
     (("runner",), {"build", "preflight", "fingerprint", "export", "io", "config", "records", "stats"}),
     (("distill",), {"runner", "build", "models", "io", "config"}),
@@ -31,7 +31,7 @@ TABLE: list[tuple[tuple[str, ...], set[str]]] = [
     (("preflight",), {"drafters", "models", "io", "config"}),
     (("outcome",), {"io"}),
     (("fingerprint",), {"io", "config"}),
-    (("bench", "bench_methods", "bench_plot", "bench_policies", "llamacpp"),
+    (("bench", "bench_methods", "bench_plot", "bench_policies", "bench_speed", "llamacpp"),
      {"build", "engine", "selection", "models", "io", "config", "records", "stats", "cachedir", "memory",
       "__init__"}),
     (("ray_data",), {"build", "preflight", "io", "config", "records"}),

@@ -169,6 +169,7 @@ class DeviceLoop:
         self.steps = 0
         self.host_reads = 0  # step records read (the host's waits on the device, outside the step)
         self.admission_reads = 0  # first tokens read at admission (outside the step too)
+        self.replay = None  # engine/replay.Replay: acceptance replayed from a trace (the speed-only bench)
 
     # -- one step -----------------------------------------------------------------------
 
@@ -223,6 +224,8 @@ class DeviceLoop:
         seg = PaddedSegments(rows, (n - 1).clamp(min=0), G)
         h = padded_hidden(self.target, tokens, seg, self.cache)
         best = argmax(self.target.logits(h)).view(B, G + 1)
+        if self.replay is not None:
+            best = self.replay.verdicts(rows, drafts, best)
         self.commit_op(rows, drafts, counts, best, self.history, self.lengths, self.prompt_lens, self.max_tokens,
                        self.max_len, self.stops, self.live, self.counters, self.record)
 
