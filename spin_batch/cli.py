@@ -1,4 +1,4 @@
-"""The `spin-batch` command line: run, validate, bench, report, export, distill, models, env."""
+"""The `spin-batch` command line: run, validate, bench, bench-speed, report, export, distill, models, env."""
 
 from __future__ import annotations
 
