@@ -1,7 +1,10 @@
 """A greedy step whose state lives on the device, so queuing it never waits on the host.
 
 DeviceLoop decodes a request stream like BatchLoop (engine/loop.py), greedy only, with plain
-decoding, n-gram drafts or a model drafter's chains (engine/device_draft.py). The token history,
+decoding, n-gram drafts or a model drafter's chains (engine/device_draft.py), or several drafters at once,
+each slot with its own drafter and gamma per step, given or chosen by a selection policy such as the SPIN
+bandit (`mix`, `policy`: engine/device_mix.py; the chains then run before the step at padded sub-buckets of
+their own rows, and the policy learns from each step's record, one step behind). The token history,
 lengths, prompt lengths, limits, stop-token table, live flags and counters are device tensors, per
 slot. One step, all on the device:
 
@@ -17,7 +20,8 @@ slot. One step, all on the device:
 
 Where the target runs on the Triton kernels, steps 1 and 3 are the Triton kernels, else their torch
 references (also without a host read). On CUDA the whole step is replayed from a graph per bucket.
-The only inputs from the host are the rows' slots and gammas, one copy from pinned memory.
+The only inputs from the host are the rows' slots and gammas (and with a mix, each row's drafter and each
+chain's rows), copied from pinned memory.
 
 The host is one step behind: it queues step t + 1, then reads step t's record (copied to pinned
 memory after the step), and only then updates its mirror of each slot's tokens, finishes slots and
@@ -29,8 +33,8 @@ Admission (prefill of the prompt and the first token) runs on the host's schedul
 reads its first token at once: it is outside the step (a draft model with a cache of its own prefills
 the prompt there too). What the device step does not do yet: sampling, logprobs, logits controls, stop
 strings before min_tokens, n > 1, prefix caching, drafts that read the target's features, token trees,
-the bandit (one drafter and gamma for every slot; the n-gram gate's caps are taken from the n-gram
-drafter once, at construction; model drafters draft without a gate).
+the confidence gate (the n-gram gate's caps are taken from the n-gram drafter once, at construction, and
+not in a mix; model drafters draft without a gate).
 """
 
 from __future__ import annotations
