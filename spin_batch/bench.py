@@ -13,6 +13,8 @@ Methods (extensible through METHODS):
   (another backend's kernels round differently).
 - fixed:<name>: our loop with one drafter.
 - device:autoregressive / device:<name>: the device step (docs/gpu.md), plain or with one drafter, no bandit.
+- device:spin: the device step with every drafter of the job, each slot's drafter and gamma chosen by the SPIN
+  bandit (ucb, or the job's thompson) from the step records; refused where a drafter's kind has no device draft.
 - spin: our loop with the SPIN bandit (selector ucb), pipeline as the job resolves it;
   spin-nopipe / spin-pipe force the pipeline off / on; thompson and round_robin likewise;
   spin-nogate turns the drafters' confidence gate off (spin.confidence_gate: false); spin-nobackoff
@@ -44,8 +46,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .bench_plot import plot_bench
-from .bench_methods import BenchInput, DeviceMethod, HFGenerate, LlamaCppMethod, MethodRun, device_methods, \
-    is_device, oracle, run_loop
+from .bench_methods import DEVICE_SPIN, BenchInput, DeviceMethod, HFGenerate, LlamaCppMethod, MethodRun, \
+    device_methods, device_spin_problem, is_device, oracle, run_loop
 from .config import JobConfig
 from .io.reader import iter_requests
 from .io.rows import input_spec
@@ -112,6 +114,8 @@ def check_methods(methods: list[str], job: JobConfig) -> None:
             continue
         if m.startswith("fixed:") and m.split(":", 1)[1] in names:
             continue
+        if m == DEVICE_SPIN and device_spin_problem(job):
+            raise ValueError(device_spin_problem(job))
         if m in device_methods(job):
             continue
         if is_llamacpp(m) and m.split(":", 1)[1] in llamacpp.FORMATS:

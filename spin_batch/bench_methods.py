@@ -96,6 +96,7 @@ def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots:
 
 DEVICE_PREFIX = "device:"
 DEVICE_KINDS = ("ngram", "model", "early_exit")  # the drafter kinds a device:<name> method drafts with
+DEVICE_SPIN = DEVICE_PREFIX + "spin"  # the SPIN bandit over every drafter of the job, on the device step
 
 
 def is_device(method: str) -> bool:
@@ -104,7 +105,18 @@ def is_device(method: str) -> bool:
 
 def device_methods(job: JobConfig) -> list[str]:
     """The device methods a job offers: device:autoregressive, and device:<name> per n-gram or model drafter."""
-    return [f"{DEVICE_PREFIX}autoregressive", *(DEVICE_PREFIX + d.name for d in job.drafters if d.kind in DEVICE_KINDS)]
+    return [f"{DEVICE_PREFIX}autoregressive", *(DEVICE_PREFIX + d.name for d in job.drafters if d.kind in DEVICE_KINDS),
+            *([DEVICE_SPIN] if job.drafters else [])]
+
+
+def device_spin_problem(job: JobConfig) -> str | None:
+    """Why device:spin cannot run this job, told before any model loads: a drafter of a kind the device step cannot
+    draft yet (a drafter whose checkpoint reads the target's features is found when the engine is built)."""
+    bad = [f"{d.name!r} (kind {d.kind})" for d in job.drafters if d.kind not in DEVICE_KINDS]
+    if not bad:
+        return None
+    return (f"bench method {DEVICE_SPIN!r}: the device step cannot draft with {', '.join(bad)} yet; it drafts with "
+            f"{', '.join(DEVICE_KINDS)} drafters (remove the others from the job, e.g. with --set)")
 
 
 class DeviceMethod:
@@ -116,9 +128,15 @@ class DeviceMethod:
     def __init__(self, engine: Engine, method: str, job: JobConfig):
         self.method = method
         name, gamma = method.removeprefix(DEVICE_PREFIX), job.spin.num_speculative_tokens
-        cfg = {d.name: d for d in job.drafters}.get(name)  # None: device:autoregressive
+        cfg = {d.name: d for d in job.drafters}.get(name)  # None: device:autoregressive or device:spin
         drafter = None if cfg is None else engine.loop.drafters[name]
-        if cfg is None:
+        mix = policy = None
+        if method == DEVICE_SPIN:  # every drafter, each slot's chosen by the bandit (no selection memory, no gate)
+            mix = {d.name: engine.loop.drafters[d.name] for d in job.drafters}
+            policy = make_policy(job.spin.selector if job.spin.selector in ("ucb", "thompson") else "ucb", list(mix),
+                                 gamma, backoff=job.spin.backoff)
+            drafting = DeviceDrafting(gamma)
+        elif cfg is None:
             drafting = DeviceDrafting()
         elif cfg.kind == "ngram":
             drafting = DeviceDrafting(gamma, cfg.min_ngram, cfg.max_ngram)
@@ -126,18 +144,21 @@ class DeviceMethod:
             drafting = DeviceDrafting(gamma)
         try:
             self.loop = DeviceLoop(engine.target, engine.tokenizer, replace(engine.loop.cfg, pipeline=False), drafting,
-                                   drafter)
+                                   drafter, mix=mix, policy=policy)
         except ValueError as e:
             raise ValueError(f"bench method {method!r}: {e}") from None
 
     def run(self, data: BenchInput, slots: int, repeat: int) -> MethodRun:
         tokens: dict[str, list[int]] = {}
         use = {"pulls": 0, "spec_steps": 0, "draft_tokens": 0, "accepted_draft_tokens": 0}
+        pulls: dict[str, int] = {}
 
         def record(c: Completion) -> None:
             if c.status == "ok":
                 tokens[c.request.id] = list(c.token_ids)
                 use["pulls"] += sum(c.drafter_pulls.values())
+                for k, v in c.drafter_pulls.items():
+                    pulls[k] = pulls.get(k, 0) + v
                 use["spec_steps"] += c.num_spec_steps
                 use["draft_tokens"] += c.num_draft_tokens
                 use["accepted_draft_tokens"] += c.num_accepted_draft_tokens
@@ -155,6 +176,10 @@ class DeviceMethod:
                                    "admission_reads": after["admission_reads"] - before["admission_reads"],
                                    "buckets": after["asked"], "captured": after["captured"],
                                    "replays": after["replays"] - before["replays"]}}
+        if self.loop.mix is not None:  # per drafter, the steps its slots chose it; the chains' sub-buckets; replay times
+            summary["drafters"] = {self.method: use} if use["spec_steps"] else {}
+            summary["device_step"].update(pulls=pulls, chains={k: v["asked"] for k, v in after["chains"].items()},
+                                          replay_ms=after["replay_ms"])
         return MethodRun(self.method, slots, repeat, wall, tokens, summary=summary, peak_rss_mb=peak_rss_mb())
 
 

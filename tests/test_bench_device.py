@@ -57,3 +57,29 @@ def test_device_methods_are_checked_before_any_model_loads(job):
     with pytest.raises(ValueError, match="unknown") as e:
         bench.check_methods(["device:nope"], job)
     assert "device:autoregressive" in str(e.value) and "device:draft" in str(e.value)
+
+
+def test_device_spin_runs_the_bandit_over_the_jobs_drafters(job):
+    """device:spin: every drafter of the job on the device step, each slot's chosen by the bandit; the same greedy
+    outputs as the autoregressive loop, the drafters tried, and the chains' sub-buckets and replay times reported."""
+    from dataclasses import replace
+
+    spin_job = replace(job, drafters=tuple(d for d in job.drafters if d.kind != "cascade"))
+    methods = ["autoregressive", "device:autoregressive", "device:spin"]
+    runs = bench.run_bench(spin_job, methods, [1, 3], limit=None, repeat=1, progress=False)
+    assert bench.mismatches(runs) == []
+    rows = {(r["method"], r["slots"]): r for r in bench.table(runs)}
+    for s in (1, 3):
+        assert rows["device:spin", s]["generated_tokens"] == 50 and rows["device:spin", s]["drafted_per_step"]
+    run = next(r for r in runs if r.method == "device:spin" and r.slots == 3)
+    step = run.summary["device_step"]
+    assert {"ngram", "exit2", "int8", "draft"} <= set(step["pulls"])  # the bandit tried each drafter
+    assert set(step["chains"]) == {"exit2", "int8", "draft"} and any(k.startswith("verify") for k in step["replay_ms"])
+
+
+def test_device_spin_is_refused_before_any_model_loads_where_a_drafter_has_no_device_draft(job):
+    with pytest.raises(ValueError, match=r"device:spin.*'both' \(kind cascade\)"):
+        bench.check_methods(["device:spin"], job)
+    from dataclasses import replace
+
+    bench.check_methods(["device:spin"], replace(job, drafters=tuple(d for d in job.drafters if d.kind != "cascade")))

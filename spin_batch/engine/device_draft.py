@@ -48,23 +48,27 @@ def chain_problem(drafter) -> str | None:
 class DraftChain:
     """A draft model's greedy chains, batched over a bucket's rows; see the module docstring."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, num_layers: int | None, own_cache: bool):
+    def __init__(self, model: LlamaModel, cache: KVCache, num_layers: int | None, own_cache: bool,
+                 catch_up: int = 2):
         self.model, self.cache, self.own_cache = model, cache, own_cache
         self.layers = num_layers or len(model.layers)
         self.vocab_ids = model.vocab_ids
-        self.catch_up = 2 if own_cache else 1  # rows fed per slot before the one-row steps
+        # rows fed per slot before the one-row steps: own cache, 2, or more where the slot may have committed
+        # more than one token since this chain last fed it (another drafter's step: engine/device_mix.py)
+        self.catch_up = catch_up if own_cache else 1
 
     @classmethod
-    def of(cls, drafter: ModelDrafter, target_cache: KVCache, slots: int, max_len: int) -> "DraftChain":
-        """The chain of a ModelDrafter (a cache of its own, `slots` x `max_len`) or an EarlyExitDrafter (the
-        target's cache, shared)."""
+    def of(cls, drafter: ModelDrafter, target_cache: KVCache, slots: int, max_len: int,
+           catch_up: int = 2) -> "DraftChain":
+        """The chain of a ModelDrafter (a cache of its own, `slots` x `max_len`, fed `catch_up` rows a slot) or an
+        EarlyExitDrafter (the target's cache, shared)."""
         problem = chain_problem(drafter)
         if problem:
             raise ValueError(problem)
         if isinstance(drafter, EarlyExitDrafter):
             return cls(drafter.model, target_cache, drafter.num_layers, own_cache=False)
         return cls(drafter.model, drafter.model.allocate_cache(slots, max_len, drafter.num_layers),
-                   drafter.num_layers, own_cache=True)
+                   drafter.num_layers, own_cache=True, catch_up=catch_up)
 
     def admit(self, slot: int, ids: list[int], budget: int) -> None:
         """Prefill a new request's prompt into the draft's own cache (outside the step; nothing read back).
@@ -98,14 +102,22 @@ class DraftChain:
         j = torch.arange(width, device=dev)
         return torch.where(j < counts[:, None], drafts, 0), counts
 
+    def feed(self, rows: torch.Tensor, history: torch.Tensor, lengths: torch.Tensor) -> None:
+        """The catch-up alone, for a draft with a cache of its own (a slot that drafts with another drafter, or with
+        none, this step: its cache keeps the invariant); nothing to do on the target's cache."""
+        if self.own_cache:
+            self._feed(rows, history, lengths)
+
     def _feed(self, rows: torch.Tensor, history: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """The catch-up forward: each row's last catch_up committed tokens; the first draft token [B]."""
-        c = self.catch_up
-        start = (lengths[rows].long() - c).clamp(min=0)  # [B]
+        """The catch-up forward: each row's last catch_up committed tokens (from position 0 where it has fewer:
+        the rows past its last token are overwritten later); the first draft token [B]."""
+        c, n = self.catch_up, lengths[rows].long()
+        start = (n - c).clamp(min=0)  # [B]
         pos = start[:, None] + torch.arange(c, device=history.device)  # [B, c]
         tokens = history[rows[:, None], pos].reshape(-1)  # [B c]
         h = padded_hidden(self.model, tokens, PaddedSegments(rows, start, c - 1), self.cache, self.layers)
-        return self._pick(h.view(rows.shape[0], c, -1)[:, -1])
+        last = (n - 1 - start).clamp(min=0)  # [B]: the row of each slot's last committed token
+        return self._pick(h.view(rows.shape[0], c, -1)[torch.arange(rows.shape[0], device=h.device), last])
 
     def _pick(self, h: torch.Tensor) -> torch.Tensor:
         """[B, C] residual -> [B] target ids: the draft's argmax."""

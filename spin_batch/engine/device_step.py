@@ -1,7 +1,10 @@
 """A greedy step whose state lives on the device, so queuing it never waits on the host.
 
 DeviceLoop decodes a request stream like BatchLoop (engine/loop.py), greedy only, with plain
-decoding, n-gram drafts or a model drafter's chains (engine/device_draft.py). The token history,
+decoding, n-gram drafts or a model drafter's chains (engine/device_draft.py), or several drafters at once,
+each slot with its own drafter and gamma per step, given or chosen by a selection policy such as the SPIN
+bandit (`mix`, `policy`: engine/device_mix.py; the chains then run before the step at padded sub-buckets of
+their own rows, and the policy learns from each step's record, one step behind). The token history,
 lengths, prompt lengths, limits, stop-token table, live flags and counters are device tensors, per
 slot. One step, all on the device:
 
@@ -17,7 +20,8 @@ slot. One step, all on the device:
 
 Where the target runs on the Triton kernels, steps 1 and 3 are the Triton kernels, else their torch
 references (also without a host read). On CUDA the whole step is replayed from a graph per bucket.
-The only inputs from the host are the rows' slots and gammas, one copy from pinned memory.
+The only inputs from the host are the rows' slots and gammas (and with a mix, each row's drafter and each
+chain's rows), copied from pinned memory.
 
 The host is one step behind: it queues step t + 1, then reads step t's record (copied to pinned
 memory after the step), and only then updates its mirror of each slot's tokens, finishes slots and
@@ -29,8 +33,8 @@ Admission (prefill of the prompt and the first token) runs on the host's schedul
 reads its first token at once: it is outside the step (a draft model with a cache of its own prefills
 the prompt there too). What the device step does not do yet: sampling, logprobs, logits controls, stop
 strings before min_tokens, n > 1, prefix caching, drafts that read the target's features, token trees,
-the bandit (one drafter and gamma for every slot; the n-gram gate's caps are taken from the n-gram
-drafter once, at construction; model drafters draft without a gate).
+the confidence gate (the n-gram gate's caps are taken from the n-gram drafter once, at construction, and
+not in a mix; model drafters draft without a gate).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from ..models.cpu_decoder import argmax
 from ..models.segments import Segments
 from ..records import Completion, Request
 from .device_draft import DraftChain
+from .device_mix import DraftMix, MixStep
 from .settings import LoopSettings, refusal, request_settings
 from .stopping import Stopping, StopRule
 
@@ -110,6 +115,7 @@ class DeviceSlot:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     done: bool = False
+    pulls: dict[str, int] = field(default_factory=dict)  # with a draft mix: steps per drafter ("none": no draft)
 
 
 @dataclass
@@ -117,6 +123,7 @@ class _Queued:
     slots: list[DeviceSlot]  # the live slots of the step, in row order
     buffer: int  # which pinned record it lands in
     event: torch.cuda.Event | None
+    mix: MixStep | None = None  # with a draft mix: the step's drafters, gammas and replay timings
 
 
 class DeviceLoop:
@@ -124,7 +131,8 @@ class DeviceLoop:
 
     def __init__(self, target, tokenizer, settings: LoopSettings, drafting: DeviceDrafting = DeviceDrafting(),
                  drafter: NgramDrafter | ModelDrafter | None = None, graphs: bool | None = None,
-                 slot_buckets: tuple[int, ...] = SLOT_BUCKETS, draft_buckets: tuple[int, ...] = DRAFT_BUCKETS):
+                 slot_buckets: tuple[int, ...] = SLOT_BUCKETS, draft_buckets: tuple[int, ...] = DRAFT_BUCKETS,
+                 mix=None, policy=None):
         problem = padded_problem(target) or _settings_problem(settings)
         if problem:
             raise ValueError(f"device step: {problem}")
@@ -162,6 +170,8 @@ class DeviceLoop:
             DraftChain.of(drafter, self.cache, P, L)  # a model drafter's chains, on its cache or the target's
         self.name = drafter.name if drafter is not None and drafting.gamma else drafting.name  # drafter_pulls' key
         self.graphs = BucketGraphs(dev, target.device.type == "cuda" if graphs is None else graphs)
+        # several drafters, each slot with its own drafter and gamma (engine/device_mix.py), up to drafting.gamma
+        self.mix = None if mix is None else DraftMix(self, mix, policy)
         self.stopping = Stopping(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         self.slots: list[DeviceSlot | None] = [None] * settings.slots
         self.finished: list[Completion] = []
@@ -173,14 +183,17 @@ class DeviceLoop:
 
     # -- one step -----------------------------------------------------------------------
 
-    def queue(self, gammas: list[int] | None = None) -> Bucket | None:
+    def queue(self, gammas: list[int] | None = None, drafters: list[str | None] | None = None) -> Bucket | None:
         """Queue one step for every slot the host believes live; reads nothing back. None: no slot to step.
 
         gammas: the draft length each of those slots asks for, in slot order (default: drafting.gamma each),
-        at most the drafting's gamma bucket."""
+        at most the drafting's gamma bucket. drafters: with a draft mix, each slot's drafter (None: no draft);
+        both None: the mix's policy chooses."""
         rows = [s for s in self.slots if s is not None and not s.done]
         if not rows:
             return None
+        mixed = None if self.mix is None else self.mix.choose(rows, drafters, gammas, self.steps % 2)
+        gammas = gammas if mixed is None else mixed.gammas
         gammas = [self.drafting.gamma] * len(rows) if gammas is None else gammas
         if len(gammas) != len(rows) or max(gammas) > self.width or min(gammas) < 0:
             raise ValueError(f"gammas: one per live slot ({len(rows)}), each 0..{self.width}, got {gammas}")
@@ -192,13 +205,17 @@ class DeviceLoop:
         host[0, : len(rows)] = torch.as_tensor([s.index for s in rows])
         host[1, : len(rows)] = torch.as_tensor(gammas)
         self.inputs.copy_(host, non_blocking=True)
-        self.graphs.run(bucket, lambda: self._body(bucket))
+        if mixed is not None:  # the chosen model chains first, each at its own sub-bucket; everything timed
+            self.mix.queue_chains(self, mixed, which)
+            self.mix.time_step(mixed, lambda: self.graphs.run(bucket, lambda: self._body(bucket)))
+        else:
+            self.graphs.run(bucket, lambda: self._body(bucket))
         self.records_host[which].copy_(self.record, non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        self.queued.append(_Queued(rows, which, event))
+        self.queued.append(_Queued(rows, which, event, mixed))
         for s in rows:
             s.steps += 1
         self.steps += 1
@@ -211,7 +228,9 @@ class DeviceLoop:
         n = self.lengths[rows]  # [B] committed tokens
         room = torch.minimum(self.max_len[rows] - n, self.max_tokens[rows] - (n - self.prompt_lens[rows]) - 1)
         gamma = torch.where(self.live[rows] != 0, torch.minimum(asked, room.clamp(min=0)), 0)
-        if self.chain is not None:  # at width 0 too: a draft with its own cache catches up at every step
+        if self.mix is not None:  # each row's own drafter (the chains' drafts were queued before this graph)
+            drafts, counts = self.mix.drafts(self, rows, gamma, G)
+        elif self.chain is not None:  # at width 0 too: a draft with its own cache catches up at every step
             drafts, counts = self.chain.draft(rows, self.history, self.lengths, gamma, G)
         elif G > 0:
             drafts, counts, _ = self.ngram_op(rows, self.history, self.lengths, gamma, self.keep, G,
@@ -236,6 +255,9 @@ class DeviceLoop:
             q.event.synchronize()
         rec = self.records_host[q.buffer].tolist()
         self.host_reads += 1
+        if q.mix is not None:  # what the rows the host still follows drafted and accepted, and the replay times
+            self.mix.learn(q.mix, [(i, s.index, rec[s.index]) for i, s in enumerate(q.slots)
+                                   if self.slots[s.index] is s and not s.done])
         for s in q.slots:
             if self.slots[s.index] is s and not s.done:
                 self._apply(s, rec[s.index])
@@ -278,6 +300,9 @@ class DeviceLoop:
             logits = self.target.forward(torch.as_tensor(ids[a:b], device=dev), seg, self.cache, [b - a - 1])
         if self.chain is not None:
             self.chain.admit(idx, ids, budget)
+        if self.mix is not None:
+            self.mix.admit(idx, ids, budget)
+            self.mix.on_admit(idx, req.id)
         rows = torch.tensor([idx], device=dev)
         none = torch.zeros(1, 0, dtype=torch.long, device=dev)
         self.commit_op(rows, none, torch.zeros(1, dtype=torch.long, device=dev), argmax(logits).view(1, 1),
@@ -292,7 +317,7 @@ class DeviceLoop:
         self.finished.append(Completion(
             s.req, text if text is not None else self.stopping.text(gen, s.rule), reason, s.prompt_len, len(gen),
             num_spec_steps=s.spec_steps, num_draft_tokens=s.draft_tokens, num_accepted_draft_tokens=s.accepted_tokens,
-            drafter_pulls={self.name: s.steps} if s.steps else {}, decode_time_s=time.perf_counter() - s.t_start,
+            drafter_pulls=dict(s.pulls) if s.pulls else {self.name: s.steps} if s.steps else {}, decode_time_s=time.perf_counter() - s.t_start,
             token_ids=tuple(gen)))
         self.slots[s.index] = None
 
@@ -319,11 +344,15 @@ class DeviceLoop:
         """Decode every request of the stream, handing each Completion (or error) to emit; as BatchLoop.run."""
         stream = iter(requests)
         exhausted = False
+        if self.mix is not None:
+            self.mix.on_stream(drain=False)
         while True:
             while not exhausted and None in self.slots:
                 req = next(stream, None)
                 if req is None:
                     exhausted = True
+                    if self.mix is not None:
+                        self.mix.on_stream(drain=True)
                     break
                 failed = self._admit_or_error(req, encode)
                 if failed is not None:
@@ -353,8 +382,11 @@ class DeviceLoop:
 
     def stats(self) -> dict:
         """Steps queued, records read, and the graph inventory (buckets asked for, captured, replays)."""
-        return {"steps": self.steps, "host_reads": self.host_reads, "admission_reads": self.admission_reads,
-                **self.graphs.inventory()}
+        out = {"steps": self.steps, "host_reads": self.host_reads, "admission_reads": self.admission_reads,
+               **self.graphs.inventory()}
+        if self.mix is not None:  # each model chain's sub-buckets, and the replay times per bucket
+            out.update(chains=self.mix.inventory(), replay_ms=self.mix.times.summary())
+        return out
 
 
 def _settings_problem(cfg: LoopSettings) -> str | None:
