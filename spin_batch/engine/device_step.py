@@ -50,6 +50,7 @@ from ..models.cpu_decoder import argmax
 from ..models.segments import Segments
 from ..records import Completion, Request
 from .device_draft import DraftChain
+from .device_tree import TreeStep
 from .settings import LoopSettings, refusal, request_settings
 from .stopping import Stopping, StopRule
 
@@ -89,6 +90,7 @@ class DeviceDrafting:
     min_ngram: int = 1
     max_ngram: int = 3
     min_prob: float = 0.0  # the n-gram drafter's confidence floor (its gate), 0: off
+    nodes: int = 0  # n-gram token trees of at most this many nodes a row (engine/device_tree.py); <= 1: chains
 
     @property
     def name(self) -> str:
@@ -131,10 +133,12 @@ class DeviceLoop:
         self.target, self.tok, self.cfg, self.drafting = target, tokenizer, settings, drafting
         self.slot_buckets, self.draft_buckets = slot_buckets, draft_buckets
         self.width = bucket_of(1, drafting.gamma, slot_buckets, draft_buckets).width  # the widest a step drafts
+        self.tree = TreeStep.of(target, drafting, drafter)  # None: chains
         bucket_of(settings.slots, 0, slot_buckets, draft_buckets)  # raises if the slots outgrow the buckets
         self.P = P = settings.slots + 1  # slot P - 1: the scratch slot of padding rows
         dev = self.device = target.device
-        self.L = L = settings.max_model_len + self.width + 1  # history: room for a padded row past the limit
+        past = self.width if self.tree is None else max(self.width, self.tree.nodes)  # a padded row's rows
+        self.L = L = settings.max_model_len + past + 1  # history: room for a padded row past the limit
         self.cache: KVCache = target.allocate_cache(P, L)
         i64 = dict(dtype=torch.long, device=dev)
         self.history = torch.zeros(P, L, **i64)
@@ -184,6 +188,8 @@ class DeviceLoop:
         if len(gammas) != len(rows) or max(gammas) > self.width or min(gammas) < 0:
             raise ValueError(f"gammas: one per live slot ({len(rows)}), each 0..{self.width}, got {gammas}")
         bucket = bucket_of(len(rows), gammas, self.slot_buckets, self.draft_buckets)
+        if self.tree is not None:
+            bucket = self.tree.bucket(bucket)
         which = self.steps % 2
         host = self.inputs_host[which]
         host[0].fill_(self.P - 1)
@@ -205,6 +211,8 @@ class DeviceLoop:
 
     def _body(self, bucket: Bucket) -> None:
         """The step on the device, at the bucket's shape: draft, gather, forward, argmax, accept and commit."""
+        if bucket.tree:
+            return self.tree.step(self, bucket)
         B, G = bucket.rows, bucket.width
         rows, asked = self.inputs[0, :B], self.inputs[1, :B]
         n = self.lengths[rows]  # [B] committed tokens
