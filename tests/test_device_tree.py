@@ -99,8 +99,8 @@ def test_device_trees_refuse_model_drafters(target, tiny_draft_dir):
     with pytest.raises(ValueError, match="n-gram drafter's only"):
         DeviceLoop(model, tok, _settings(2), DeviceDrafting(gamma=4, nodes=8),
                    ModelDrafter("draft", draft, draft.allocate_cache(1, 8)))
-    with pytest.raises(ValueError, match="at most 32 nodes"):
-        DeviceLoop(model, tok, _settings(2), DeviceDrafting(gamma=4, nodes=40))
+    with pytest.raises(ValueError, match="at most 63 nodes"):
+        DeviceLoop(model, tok, _settings(2), DeviceDrafting(gamma=4, nodes=64))
 
 
 def test_queuing_200_tree_steps_reads_nothing_back(target):

@@ -198,12 +198,14 @@ def test_keep_path_kernel_equals_the_reference(seed):
 
 def test_tree_layout_equals_the_segments_bits_and_depths():
     rng = random.Random(3)
-    for T in (1, 2, 5, 16, 31, 62):
+    for T in (1, 2, 5, 16, 31, 63):
         parents = [[rng.randint(-1, i - 1) for i in range(T)] for _ in range(3)]
         bits, depth = tree_layout(torch.tensor(parents))
         for r, p in enumerate(parents):
             seg = [-1] + [a + 1 for a in p]
             assert bits[r].tolist() == tree_bits([seg], [T + 1]).tolist()
             assert depth[r].tolist() == tree_depths(seg)
-    with pytest.raises(ValueError, match="at most 62"):
-        tree_layout(torch.full((1, 63), -1))
+    chain = tree_layout(torch.arange(-1, 62)[None])[0][0]  # a chain of 63 nodes: the last token's mask is all ones
+    assert chain[-1].item() == -1 and chain[-2].item() == (1 << 63) - 1
+    with pytest.raises(ValueError, match="at most 63"):
+        tree_layout(torch.full((1, 64), -1))

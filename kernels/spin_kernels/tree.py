@@ -28,7 +28,7 @@ import torch
 
 from ._triton import HAVE_TRITON, launcher, require_triton, tl, triton
 
-MAX_TREE_NODES = 62  # nodes of one padded tree: with its root, bit 63 stays clear (a positive int64 mask)
+MAX_TREE_NODES = 63  # nodes of one padded tree: with its root, 64 tokens, one int64 mask each (bit 63: the sign)
 
 
 def tree_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ import torch
 
 SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DRAFT_BUCKETS = (0, 4, 8, 16)
-TREE_BUCKETS = (4, 8, 16, 32)  # tree nodes per row (the C and Triton attention take trees of up to 64 tokens)
+TREE_BUCKETS = (4, 8, 16, 32, 63)  # tree nodes per row (the C and Triton attention take trees of up to 64 tokens)
 
 
 @dataclass(frozen=True, order=True)
