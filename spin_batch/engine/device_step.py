@@ -1,9 +1,9 @@
 """A greedy step whose state lives on the device, so queuing it never waits on the host.
 
 DeviceLoop decodes a request stream like BatchLoop (engine/loop.py), greedy only, with plain
-decoding, n-gram drafts or a model drafter's chains (engine/device_draft.py). The token history,
-lengths, prompt lengths, limits, stop-token table, live flags and counters are device tensors, per
-slot. One step, all on the device:
+decoding, n-gram drafts (chains, or token trees: engine/device_tree.py) or a model drafter's chains
+(engine/device_draft.py). The token history, lengths, prompt lengths, limits, stop-token table, live
+flags and counters are device tensors, per slot. One step, all on the device:
 
 1. each live slot's draft, up to its gamma, capped on the device by the room left (context and
    max_tokens): the n-gram lookup over its history (spin_kernels.ngram_draft), or the draft model's
@@ -19,6 +19,10 @@ Where the target runs on the Triton kernels, steps 1 and 3 are the Triton kernel
 references (also without a host read). On CUDA the whole step is replayed from a graph per bucket.
 The only inputs from the host are the rows' slots and gammas, one copy from pinned memory.
 
+With DeviceDrafting.nodes > 1 a step that drafts is a tree step instead (engine/device_tree.py): the n-gram
+drafter's tree per row at a tree bucket, verified with the tree attention mask, the greedy walk and keep_path
+on the device, then the same accept and commit on the accepted path.
+
 The host is one step behind: it queues step t + 1, then reads step t's record (copied to pinned
 memory after the step), and only then updates its mirror of each slot's tokens, finishes slots and
 admits requests. A slot that the device finished at step t is therefore still in step t + 1's rows;
@@ -28,8 +32,8 @@ string costs at most one wasted step, cut on the host.
 Admission (prefill of the prompt and the first token) runs on the host's schedule between steps and
 reads its first token at once: it is outside the step (a draft model with a cache of its own prefills
 the prompt there too). What the device step does not do yet: sampling, logprobs, logits controls, stop
-strings before min_tokens, n > 1, prefix caching, drafts that read the target's features, token trees,
-the bandit (one drafter and gamma for every slot; the n-gram gate's caps are taken from the n-gram
+strings before min_tokens, n > 1, prefix caching, drafts that read the target's features, model drafters'
+token trees, the bandit (one drafter and gamma for every slot; the n-gram gate's caps are taken from the n-gram
 drafter once, at construction; model drafters draft without a gate).
 """
 
