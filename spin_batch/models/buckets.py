@@ -94,7 +94,8 @@ class PaddedTreeSegments(PaddedSegments):
     """A bucket's Segments of token trees: row r's segment is its root (at cache row cache_lens[r]) and T nodes;
     token i is written to cache row cache_lens[r] + i, takes RoPE position cache_lens[r] + depth[r, i] and attends
     to its slot's cached rows and to the tokens of its ancestor-and-self bitmask bits[r, i] (models/segments.py,
-    spin_kernels.tree_layout). bits and depth [B, T + 1] are device tensors."""
+    spin_kernels.tree_layout). bits and depth [B, T + 1] are device tensors; packed_index carries the RoPE
+    positions, `rows` the cache rows (kernel_hidden's rows), `bits` its tree_mask."""
 
     has_trees = True
 
@@ -103,11 +104,6 @@ class PaddedTreeSegments(PaddedSegments):
         self.positions = (cache_lens[:, None] + depth).reshape(-1)  # [B (T + 1)]
         self.rows = (cache_lens[:, None] + torch.arange(self.width + 1, device=rows.device)).reshape(-1)
         self.bits = bits.reshape(-1).contiguous()  # [B (T + 1)] int64
-
-    def packed_index(self) -> torch.Tensor:
-        """[2 N + 3 B + 1] long on the device, as Segments.packed_index() (the positions are the RoPE ones)."""
-        slots, starts, cache_lens = self._table
-        return torch.cat([self.token_slots, self.positions, slots, starts, cache_lens]).long()
 
 
 def padded_problem(model) -> str | None:
