@@ -18,7 +18,7 @@ from .engine.prefix_cache import PrefixCache
 from .memory import recall
 from .records import Completion, Request
 from .build import Engine
-from .selection.factory import make_policy
+from .selection.factory import gated_drafters, make_policy, tree_drafters
 from .stats import RunStats
 
 
@@ -121,9 +121,10 @@ def device_spin_problem(job: JobConfig) -> str | None:
 
 class DeviceMethod:
     """A device:autoregressive or device:<drafter> method: the device step (DeviceLoop) over the engine's target,
-    plain, or with that drafter at the job's gamma for every slot. One DeviceLoop serves every run of the
-    method at a slot count, so its CUDA graphs are captured once (in the warm-up pass on CUDA). Built at once:
-    a drafter or target the device step cannot run raises ValueError before any timed run."""
+    plain, or with that drafter at the job's gamma for every slot; an n-gram drafter drafts token trees of
+    spin.tree_nodes nodes where the job gives it trees (selection.factory.tree_drafters). One DeviceLoop serves
+    every run of the method at a slot count, so its CUDA graphs are captured once (in the warm-up pass on CUDA).
+    Built at once: a drafter or target the device step cannot run raises ValueError before any timed run."""
 
     def __init__(self, engine: Engine, method: str, job: JobConfig):
         self.method = method
@@ -139,7 +140,10 @@ class DeviceMethod:
         elif cfg is None:
             drafting = DeviceDrafting()
         elif cfg.kind == "ngram":
-            drafting = DeviceDrafting(gamma, cfg.min_ngram, cfg.max_ngram)
+            drafters = {name: drafter}
+            trees = tree_drafters(drafters, job.spin.tree_nodes, gated_drafters(drafters, job.spin.confidence_gate),
+                                  engine.target.tree_segments)
+            drafting = DeviceDrafting(gamma, cfg.min_ngram, cfg.max_ngram, nodes=trees.get(name, 0))
         else:
             drafting = DeviceDrafting(gamma)
         try:

@@ -83,3 +83,18 @@ def test_device_spin_is_refused_before_any_model_loads_where_a_drafter_has_no_de
     from dataclasses import replace
 
     bench.check_methods(["device:spin"], replace(job, drafters=tuple(d for d in job.drafters if d.kind != "cascade")))
+
+
+def test_device_ngram_drafts_trees_where_the_job_gives_them(job):
+    """spin.tree_nodes (16 by default, the n-gram drafter gated): device:ngram verifies trees in tree buckets;
+    tree_nodes 0: chains."""
+    from dataclasses import replace
+
+    for nodes, label in ((16, "2x16t"), (0, "2x4")):
+        spun = replace(job, spin=replace(job.spin, tree_nodes=nodes))
+        runs = bench.run_bench(spun, ["autoregressive", "device:ngram"], [2], limit=None, repeat=1, progress=False)
+        assert bench.mismatches(runs) == []
+        run = next(r for r in runs if r.method == "device:ngram")
+        buckets = set(run.summary["device_step"]["buckets"])
+        assert label in buckets and buckets <= {"1x0", "2x0", label, label.replace("2x", "1x")}, buckets
+        assert run.summary["drafters"]["ngram"]["draft_tokens"] > 0

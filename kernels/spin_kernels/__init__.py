@@ -15,17 +15,25 @@ from .accept import accept
 from .commit import accept_commit, accept_commit_ref
 from .kv_write import _kv_write_kernel, kv_write, kv_write_ref
 from .ngram import ngram_draft, ngram_draft_ref
+from .ngram_tree import ngram_tree
+from .tree import keep_path, keep_path_ref, tree_layout, tree_walk, tree_walk_ref
 from .varlen_attention import varlen_attention, varlen_attention_ref
 
 __all__ = [
     "accept",
     "accept_commit",
     "accept_commit_ref",
+    "keep_path",
+    "keep_path_ref",
     "kv_write",
     "kv_write_ref",
     "ngram_draft",
     "ngram_draft_ref",
+    "ngram_tree",
     "problem",
+    "tree_layout",
+    "tree_walk",
+    "tree_walk_ref",
     "triton_available",
     "varlen_attention",
     "varlen_attention_ref",

@@ -1,12 +1,12 @@
 """A greedy step whose state lives on the device, so queuing it never waits on the host.
 
 DeviceLoop decodes a request stream like BatchLoop (engine/loop.py), greedy only, with plain
-decoding, n-gram drafts or a model drafter's chains (engine/device_draft.py), or several drafters at once,
-each slot with its own drafter and gamma per step, given or chosen by a selection policy such as the SPIN
-bandit (`mix`, `policy`: engine/device_mix.py; the chains then run before the step at padded sub-buckets of
-their own rows, and the policy learns from each step's record, one step behind). The token history,
-lengths, prompt lengths, limits, stop-token table, live flags and counters are device tensors, per
-slot. One step, all on the device:
+decoding, n-gram drafts (chains, or token trees: engine/device_tree.py) or a model drafter's chains
+(engine/device_draft.py), or several drafters at once, each slot with its own drafter and gamma per step,
+given or chosen by a selection policy such as the SPIN bandit (`mix`, `policy`: engine/device_mix.py; the
+chains then run before the step at padded sub-buckets of their own rows, and the policy learns from each
+step's record, one step behind). The token history, lengths, prompt lengths, limits, stop-token table, live
+flags and counters are device tensors, per slot. One step, all on the device:
 
 1. each live slot's draft, up to its gamma, capped on the device by the room left (context and
    max_tokens): the n-gram lookup over its history (spin_kernels.ngram_draft), or the draft model's
@@ -23,6 +23,10 @@ references (also without a host read). On CUDA the whole step is replayed from a
 The only inputs from the host are the rows' slots and gammas (and with a mix, each row's drafter and each
 chain's rows), copied from pinned memory.
 
+With DeviceDrafting.nodes > 1 a step that drafts is a tree step instead (engine/device_tree.py): the n-gram
+drafter's tree per row at a tree bucket, verified with the tree attention mask, the greedy walk and keep_path
+on the device, then the same accept and commit on the accepted path.
+
 The host is one step behind: it queues step t + 1, then reads step t's record (copied to pinned
 memory after the step), and only then updates its mirror of each slot's tokens, finishes slots and
 admits requests. A slot that the device finished at step t is therefore still in step t + 1's rows;
@@ -32,9 +36,9 @@ string costs at most one wasted step, cut on the host.
 Admission (prefill of the prompt and the first token) runs on the host's schedule between steps and
 reads its first token at once: it is outside the step (a draft model with a cache of its own prefills
 the prompt there too). What the device step does not do yet: sampling, logprobs, logits controls, stop
-strings before min_tokens, n > 1, prefix caching, drafts that read the target's features, token trees,
-the confidence gate (the n-gram gate's caps are taken from the n-gram drafter once, at construction, and
-not in a mix; model drafters draft without a gate).
+strings before min_tokens, n > 1, prefix caching, drafts that read the target's features, model drafters'
+token trees, trees in a mix, the confidence gate (the n-gram gate's caps are taken from the n-gram drafter
+once, at construction, and not in a mix; model drafters draft without a gate).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from ..models.segments import Segments
 from ..records import Completion, Request
 from .device_draft import DraftChain
 from .device_mix import DraftMix, MixStep
+from .device_tree import TreeStep
 from .settings import LoopSettings, refusal, request_settings
 from .stopping import Stopping, StopRule
 
@@ -94,6 +99,7 @@ class DeviceDrafting:
     min_ngram: int = 1
     max_ngram: int = 3
     min_prob: float = 0.0  # the n-gram drafter's confidence floor (its gate), 0: off
+    nodes: int = 0  # n-gram token trees of at most this many nodes a row (engine/device_tree.py); <= 1: chains
 
     @property
     def name(self) -> str:
@@ -139,10 +145,14 @@ class DeviceLoop:
         self.target, self.tok, self.cfg, self.drafting = target, tokenizer, settings, drafting
         self.slot_buckets, self.draft_buckets = slot_buckets, draft_buckets
         self.width = bucket_of(1, drafting.gamma, slot_buckets, draft_buckets).width  # the widest a step drafts
+        self.tree = TreeStep.of(target, drafting, drafter)  # None: chains
+        if self.tree is not None and mix is not None:
+            raise ValueError("device step: token trees draft with one n-gram drafter, not in a draft mix")
         bucket_of(settings.slots, 0, slot_buckets, draft_buckets)  # raises if the slots outgrow the buckets
         self.P = P = settings.slots + 1  # slot P - 1: the scratch slot of padding rows
         dev = self.device = target.device
-        self.L = L = settings.max_model_len + self.width + 1  # history: room for a padded row past the limit
+        past = self.width if self.tree is None else max(self.width, self.tree.nodes)  # a padded row's rows
+        self.L = L = settings.max_model_len + past + 1  # history: room for a padded row past the limit
         self.cache: KVCache = target.allocate_cache(P, L)
         i64 = dict(dtype=torch.long, device=dev)
         self.history = torch.zeros(P, L, **i64)
@@ -198,6 +208,8 @@ class DeviceLoop:
         if len(gammas) != len(rows) or max(gammas) > self.width or min(gammas) < 0:
             raise ValueError(f"gammas: one per live slot ({len(rows)}), each 0..{self.width}, got {gammas}")
         bucket = bucket_of(len(rows), gammas, self.slot_buckets, self.draft_buckets)
+        if self.tree is not None:
+            bucket = self.tree.bucket(bucket)
         which = self.steps % 2
         host = self.inputs_host[which]
         host[0].fill_(self.P - 1)
@@ -223,6 +235,8 @@ class DeviceLoop:
 
     def _body(self, bucket: Bucket) -> None:
         """The step on the device, at the bucket's shape: draft, gather, forward, argmax, accept and commit."""
+        if bucket.tree:
+            return self.tree.step(self, bucket)
         B, G = bucket.rows, bucket.width
         rows, asked = self.inputs[0, :B], self.inputs[1, :B]
         n = self.lengths[rows]  # [B] committed tokens

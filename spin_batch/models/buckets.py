@@ -11,6 +11,10 @@ BucketGraphs runs a step body once per call: eagerly, or on CUDA replayed from a
 for its bucket the second time the bucket is asked for (the first, eager call compiles the Triton
 kernels and warms the allocator; capturing runs nothing, so the step's state advances once per
 call either way). `asked` counts the calls per bucket: the graph inventory.
+
+A step of token trees (engine/device_tree.py) verifies B rows of T + 1 tokens, the root and T tree nodes
+(padded up to a node bucket, TREE_BUCKETS): a tree bucket (Bucket.tree), whose forward takes each token's
+ancestor bitmask and depth from device tensors (PaddedTreeSegments).
 """
 
 from __future__ import annotations
@@ -23,16 +27,23 @@ import torch
 
 SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DRAFT_BUCKETS = (0, 4, 8, 16)
+TREE_BUCKETS = (4, 8, 16, 32, 63)  # tree nodes per row (the C and Triton attention take trees of up to 64 tokens)
 
 
 @dataclass(frozen=True, order=True)
 class Bucket:
     rows: int  # B: verified rows, live slots plus padding
-    width: int  # G: draft positions per row (each row runs G + 1 tokens)
+    width: int  # G: draft positions per row (each row runs G + 1 tokens); in a tree bucket, tree nodes per row
+    tree: bool = False  # whether each row's draft positions are a token tree (else a chain)
 
     @property
     def tokens(self) -> int:
         return self.rows * (self.width + 1)
+
+    @property
+    def label(self) -> str:
+        """rows x width, a tree bucket's with a "t": the graph inventory's key."""
+        return f"{self.rows}x{self.width}" + ("t" if self.tree else "")
 
 
 def round_up(n: int, sizes: tuple[int, ...], what: str) -> int:
@@ -79,6 +90,22 @@ class PaddedSegments:
         return torch.cat([self.token_slots, self.positions, slots, starts, cache_lens]).long()
 
 
+class PaddedTreeSegments(PaddedSegments):
+    """A bucket's Segments of token trees: row r's segment is its root (at cache row cache_lens[r]) and T nodes;
+    token i is written to cache row cache_lens[r] + i, takes RoPE position cache_lens[r] + depth[r, i] and attends
+    to its slot's cached rows and to the tokens of its ancestor-and-self bitmask bits[r, i] (models/segments.py,
+    spin_kernels.tree_layout). bits and depth [B, T + 1] are device tensors; packed_index carries the RoPE
+    positions, `rows` the cache rows (kernel_hidden's rows), `bits` its tree_mask."""
+
+    has_trees = True
+
+    def __init__(self, rows: torch.Tensor, cache_lens: torch.Tensor, bits: torch.Tensor, depth: torch.Tensor):
+        super().__init__(rows, cache_lens, bits.shape[1] - 1)
+        self.positions = (cache_lens[:, None] + depth).reshape(-1)  # [B (T + 1)]
+        self.rows = (cache_lens[:, None] + torch.arange(self.width + 1, device=rows.device)).reshape(-1)
+        self.bits = bits.reshape(-1).contiguous()  # [B (T + 1)] int64
+
+
 def padded_problem(model) -> str | None:
     """Why a model cannot run a bucket's forward from device tensors, or None: it needs the Triton kernels or the C
     attention (the torch attention plans its batch from host lists)."""
@@ -94,7 +121,9 @@ def padded_hidden(model, tokens: torch.Tensor, seg: PaddedSegments, cache,
     host read."""
     layers = layers or model.spec.num_layers
     if model.kernels:  # not model.hidden: its per-shape graphs would capture inside the bucket's graph
-        return model.kernel_hidden(model._embed(tokens, None), seg.packed_index(), seg.width + 1, cache, layers)
+        trees = (seg.rows, seg.bits) if seg.has_trees else ()
+        return model.kernel_hidden(model._embed(tokens, None), seg.packed_index(), seg.width + 1, cache, layers,
+                                   *trees)
     problem = padded_problem(model)
     if problem:
         raise ValueError(problem)
@@ -108,6 +137,16 @@ def step_ops(model):
     if model.kernels:
         return spin_kernels.accept_commit, spin_kernels.ngram_draft
     return spin_kernels.accept_commit_ref, spin_kernels.ngram_draft_ref
+
+
+def tree_ops(model):
+    """(ngram_tree, tree_layout, tree_walk, keep_path) of a tree step (spin_kernels.ngram_tree, spin_kernels.tree):
+    the walk and keep_path as Triton kernels where the model runs on them, else their torch references."""
+    import spin_kernels
+
+    if model.kernels:
+        return spin_kernels.ngram_tree, spin_kernels.tree_layout, spin_kernels.tree_walk, spin_kernels.keep_path
+    return spin_kernels.ngram_tree, spin_kernels.tree_layout, spin_kernels.tree_walk_ref, spin_kernels.keep_path_ref
 
 
 class BucketGraphs:
@@ -138,5 +177,5 @@ class BucketGraphs:
 
     def inventory(self) -> dict:
         """Buckets asked for (with counts), those captured, and the replays."""
-        return {"asked": {f"{b.rows}x{b.width}": n for b, n in sorted(self.asked.items())},
-                "captured": sorted(f"{b.rows}x{b.width}" for b in self.graphs), "replays": self.replays}
+        return {"asked": {b.label: n for b, n in sorted(self.asked.items())},
+                "captured": sorted(b.label for b in self.graphs), "replays": self.replays}

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from . import cpu_decoder, cuda_graphs
 from .attention import AttentionPlan, attention
+from .buckets import PaddedTreeSegments
 from .cache import KVCache
 from .execution import NATIVE, TORCH, ModelPlan
 from .quantize import INT8_C, RescoredHead, fake_quantize_groups, quantize_rows
@@ -458,6 +459,8 @@ def attention_shape(spec: ModelSpec) -> tuple[int, int, int]:
 
 
 def _tree_bits(seg: Segments) -> torch.Tensor | None:
-    """[N] int64 ancestor bitmasks, on the host, for the C attention and the Triton attention
-    (cpu_decoder.tree_bits), or None without trees."""
+    """[N] int64 ancestor bitmasks for the C attention and the Triton attention (cpu_decoder.tree_bits, on the
+    host; a bucket's padded trees carry theirs on the device, models/buckets.py), or None without trees."""
+    if isinstance(seg, PaddedTreeSegments):
+        return seg.bits
     return cpu_decoder.tree_bits(seg.parents, seg.lengths()) if seg.has_trees else None
