@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafters.model import ModelDrafter
+from ..drafters.base import Drafter
 from ..drafters.ngram import NgramDrafter
 from ..models.buckets import DRAFT_BUCKETS, SLOT_BUCKETS, Bucket, BucketGraphs, PaddedSegments, bucket_of, \
     padded_hidden, padded_problem, step_ops
@@ -49,7 +49,8 @@ from ..models.cache import KVCache
 from ..models.cpu_decoder import argmax
 from ..models.segments import Segments
 from ..records import Completion, Request
-from .device_draft import DraftChain
+from .device_compose import step_draft
+from .device_draft import StepDraft
 from .settings import LoopSettings, refusal, request_settings
 from .stopping import Stopping, StopRule
 
@@ -123,7 +124,7 @@ class DeviceLoop:
     """Greedy decoding with device-owned step state; see the module docstring."""
 
     def __init__(self, target, tokenizer, settings: LoopSettings, drafting: DeviceDrafting = DeviceDrafting(),
-                 drafter: NgramDrafter | ModelDrafter | None = None, graphs: bool | None = None,
+                 drafter: Drafter | None = None, graphs: bool | None = None,
                  slot_buckets: tuple[int, ...] = SLOT_BUCKETS, draft_buckets: tuple[int, ...] = DRAFT_BUCKETS):
         problem = padded_problem(target) or _settings_problem(settings)
         if problem:
@@ -158,8 +159,9 @@ class DeviceLoop:
                     else self.width for n in range(drafting.max_ngram + 1)]
         self.keep = torch.tensor(keep, **i64)
         self.commit_op, self.ngram_op = step_ops(target)
-        self.chain = None if drafter is None or isinstance(drafter, NgramDrafter) or not drafting.gamma else \
-            DraftChain.of(drafter, self.cache, P, L)  # a model drafter's chains, on its cache or the target's
+        self.chain: StepDraft | None = None if drafter is None or isinstance(drafter, NgramDrafter) or \
+            not drafting.gamma else step_draft(drafter, target, self.cache, P, L, self.width, drafting.min_prob,
+                                               self.ngram_op)  # a model's chains, a cascade's or a vote's members
         self.name = drafter.name if drafter is not None and drafting.gamma else drafting.name  # drafter_pulls' key
         self.graphs = BucketGraphs(dev, target.device.type == "cuda" if graphs is None else graphs)
         self.stopping = Stopping(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
@@ -222,9 +224,13 @@ class DeviceLoop:
         tokens = torch.cat([last, drafts], 1).reshape(-1)  # [B (G + 1)]
         seg = PaddedSegments(rows, (n - 1).clamp(min=0), G)
         h = padded_hidden(self.target, tokens, seg, self.cache)
+        if self.chain is not None:  # a feature-reading draft keeps the target's features
+            self.chain.verified(rows, (n - 1).clamp(min=0), h, G)
         best = argmax(self.target.logits(h)).view(B, G + 1)
         self.commit_op(rows, drafts, counts, best, self.history, self.lengths, self.prompt_lens, self.max_tokens,
                        self.max_len, self.stops, self.live, self.counters, self.record)
+        if self.chain is not None:  # a vote's weights learn from the committed tokens
+            self.chain.committed(rows, n, gamma, self.lengths, self.live, self.history)
 
     def collect(self) -> list[Completion]:
         """Read the oldest queued step's record (waiting for it), update the mirrors; the requests it finished."""
@@ -269,12 +275,16 @@ class DeviceLoop:
                      (self.max_len, rule.max_model_len), (self.live, 1), (self.counters, 0)):
             t[idx] = v
         budget = max(self.cfg.max_num_batched_tokens, 1)
+        features = self.chain is not None and self.chain.reads_features
+        hidden = []  # the prompt's residuals, for a draft that reads the target's features
         for a in range(0, n, budget):
             b = min(a + budget, n)
             seg = Segments.build([(idx, b - a, a)], dev)
-            logits = self.target.forward(torch.as_tensor(ids[a:b], device=dev), seg, self.cache, [b - a - 1])
+            logits, h = self.target.forward_with_hidden(torch.as_tensor(ids[a:b], device=dev), seg, self.cache,
+                                                        [b - a - 1])
+            hidden += [h] if features else []
         if self.chain is not None:
-            self.chain.admit(idx, ids, budget)
+            self.chain.admit(idx, ids, budget, torch.cat(hidden) if features else None)
         rows = torch.tensor([idx], device=dev)
         none = torch.zeros(1, 0, dtype=torch.long, device=dev)
         self.commit_op(rows, none, torch.zeros(1, dtype=torch.long, device=dev), argmax(logits).view(1, 1),
