@@ -95,7 +95,7 @@ def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots:
 
 
 DEVICE_PREFIX = "device:"
-DEVICE_KINDS = ("ngram", "model", "early_exit")  # the drafter kinds a device:<name> method drafts with
+DEVICE_KINDS = ("ngram", "model", "early_exit", "cascade", "vote")  # the drafter kinds a device:<name> method takes
 
 
 def is_device(method: str) -> bool:
@@ -103,7 +103,8 @@ def is_device(method: str) -> bool:
 
 
 def device_methods(job: JobConfig) -> list[str]:
-    """The device methods a job offers: device:autoregressive, and device:<name> per n-gram or model drafter."""
+    """The device methods a job offers: device:autoregressive, and device:<name> per n-gram, model, cascade or vote
+    drafter (one the device step cannot run, a transformers-backend draft say, is refused when built)."""
     return [f"{DEVICE_PREFIX}autoregressive", *(DEVICE_PREFIX + d.name for d in job.drafters if d.kind in DEVICE_KINDS)]
 
 
