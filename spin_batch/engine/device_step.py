@@ -1,19 +1,23 @@
 """A greedy step whose state lives on the device, so queuing it never waits on the host.
 
 DeviceLoop decodes a request stream like BatchLoop (engine/loop.py), greedy only, with plain
-decoding, n-gram drafts or a model drafter's chains (engine/device_draft.py). The token history,
+decoding, n-gram drafts, a model drafter's chains (engine/device_draft.py; engine/device_feature.py for drafts
+that read the target's features), or a cascade or a vote of those (engine/device_compose.py). The token history,
 lengths, prompt lengths, limits, stop-token table, live flags and counters are device tensors, per
 slot. One step, all on the device:
 
 1. each live slot's draft, up to its gamma, capped on the device by the room left (context and
    max_tokens): the n-gram lookup over its history (spin_kernels.ngram_draft), or the draft model's
    chain (device_draft.DraftChain: a catch-up forward, then one-row forwards, argmax on the device;
-   its cache rolled back by length arithmetic on the device lengths);
+   its cache rolled back by length arithmetic on the device lengths), or every member's draft of a cascade
+   or a vote, picked per row on the device;
 2. the verify forward at a padded bucket (models/buckets.py): B rows (the slots the host believes
    live, padded with rows of a scratch slot) of G + 1 tokens, inputs gathered from the history;
    the final norm, the LM head and a batched argmax on every row;
 3. the accept and commit kernel (spin_kernels.accept_commit): first mismatch, append, EOS / stop
    token / length cuts, lengths, live flags, counters, and a small int32 record per slot.
+The drafter's hooks run in the step too: a feature-reading draft keeps the verify rows' features, a vote's
+weights learn from the committed tokens.
 
 Where the target runs on the Triton kernels, steps 1 and 3 are the Triton kernels, else their torch
 references (also without a host read). On CUDA the whole step is replayed from a graph per bucket.
@@ -28,9 +32,10 @@ string costs at most one wasted step, cut on the host.
 Admission (prefill of the prompt and the first token) runs on the host's schedule between steps and
 reads its first token at once: it is outside the step (a draft model with a cache of its own prefills
 the prompt there too). What the device step does not do yet: sampling, logprobs, logits controls, stop
-strings before min_tokens, n > 1, prefix caching, drafts that read the target's features, token trees,
-the bandit (one drafter and gamma for every slot; the n-gram gate's caps are taken from the n-gram
-drafter once, at construction; model drafters draft without a gate).
+strings before min_tokens, n > 1, prefix caching, token trees, grammars, the bandit (one drafter and gamma
+for every slot; the n-gram gate's caps are taken from the n-gram drafter once, at construction; model
+drafters draft without a gate and without lookahead), a cascade's and a vote's counters (drafted_by,
+overrides); drafts whose model is not a native Llama-family model on the C or Triton kernels are refused.
 """
 
 from __future__ import annotations
@@ -84,7 +89,8 @@ def host_reads():
 @dataclass(frozen=True)
 class DeviceDrafting:
     """What every slot drafts with: nothing (gamma 0), or gamma tokens of the n-gram lookup with these settings
-    (min_ngram, max_ngram, min_prob) or of the model drafter given to DeviceLoop."""
+    (min_ngram, max_ngram, min_prob) or of the drafter given to DeviceLoop (a model, a cascade or a vote; an
+    n-gram member's gate takes min_prob, its lookup its drafter's own settings)."""
 
     gamma: int = 0
     min_ngram: int = 1
