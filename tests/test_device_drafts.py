@@ -216,3 +216,31 @@ def test_device_step_refuses_what_it_cannot_draft(target):
                          (VoteDrafter("v", {"ngram": ngram, "hf": foreign}), "vote 'v': drafter 'hf'")):
         with pytest.raises(ValueError, match=why):
             DeviceLoop(model, tok, _settings(2), DeviceDrafting(gamma=4), drafter)
+
+
+def test_device_feature_cascade_on_the_triton_kernels(tiny_dir, tiny_distilled):
+    """The GPU path on CPU (the Triton interpreter): a cascade of n-gram and a feature-reading draft, the draft's
+    catch-up and chain from device-built packed indexes with the features as extra inputs; equal to BatchLoop on
+    the same kernels, with the same draft and acceptance counts."""
+    pytest.importorskip("triton", reason="triton is not importable")
+    from spin_batch.models.execution import Execution
+    from spin_batch.models.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_dir)
+    model = load_model(tiny_dir, plan=execution.forced("torch"),
+                       execution=Execution(kernels="triton", cpu="torch", triton=True))
+    assert model.kernels is not None
+    settings = _settings(2, max_tokens=6)
+
+    def drafters(slots, max_len):
+        return _drafters("cascade", model, tiny_distilled, None, slots, max_len)
+
+    want = _run(_host((model, tok), settings, drafters(2, settings.max_model_len), "cascade", 4), tok,
+                _requests(MANY[:3]))
+    loop = DeviceLoop(model, tok, settings, DeviceDrafting(gamma=4), drafters(1, 8)["cascade"])
+    assert loop.chain.members[1].model.kernels is not None
+    got = _run(loop, tok, _requests(MANY[:3]))
+    _same(want, got)
+    assert sum(c.num_draft_tokens for c in got.values()) > 0
+    assert {k: (c.num_draft_tokens, c.num_accepted_draft_tokens) for k, c in got.items()} == \
+        {k: (c.num_draft_tokens, c.num_accepted_draft_tokens) for k, c in want.items()}
