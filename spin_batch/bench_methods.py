@@ -95,7 +95,8 @@ def run_loop(engine: Engine, selector: str, gamma: int, data: BenchInput, slots:
 
 
 DEVICE_PREFIX = "device:"
-DEVICE_KINDS = ("ngram", "model", "early_exit")  # the drafter kinds a device:<name> method drafts with
+DEVICE_KINDS = ("ngram", "model", "early_exit", "cascade", "vote")  # the drafter kinds a device:<name> method takes
+MIX_KINDS = ("ngram", "model", "early_exit")  # the kinds device:spin's draft mix takes
 DEVICE_SPIN = DEVICE_PREFIX + "spin"  # the SPIN bandit over every drafter of the job, on the device step
 
 
@@ -104,19 +105,21 @@ def is_device(method: str) -> bool:
 
 
 def device_methods(job: JobConfig) -> list[str]:
-    """The device methods a job offers: device:autoregressive, and device:<name> per n-gram or model drafter."""
+    """The device methods a job offers: device:autoregressive, device:<name> per n-gram, model, cascade or vote
+    drafter (one the device step cannot run, a transformers-backend draft say, is refused when built), and
+    device:spin."""
     return [f"{DEVICE_PREFIX}autoregressive", *(DEVICE_PREFIX + d.name for d in job.drafters if d.kind in DEVICE_KINDS),
             *([DEVICE_SPIN] if job.drafters else [])]
 
 
 def device_spin_problem(job: JobConfig) -> str | None:
-    """Why device:spin cannot run this job, told before any model loads: a drafter of a kind the device step cannot
+    """Why device:spin cannot run this job, told before any model loads: a drafter of a kind the draft mix cannot
     draft yet (a drafter whose checkpoint reads the target's features is found when the engine is built)."""
-    bad = [f"{d.name!r} (kind {d.kind})" for d in job.drafters if d.kind not in DEVICE_KINDS]
+    bad = [f"{d.name!r} (kind {d.kind})" for d in job.drafters if d.kind not in MIX_KINDS]
     if not bad:
         return None
     return (f"bench method {DEVICE_SPIN!r}: the device step cannot draft with {', '.join(bad)} yet; it drafts with "
-            f"{', '.join(DEVICE_KINDS)} drafters (remove the others from the job, e.g. with --set)")
+            f"{', '.join(MIX_KINDS)} drafters (remove the others from the job, e.g. with --set)")
 
 
 class DeviceMethod:

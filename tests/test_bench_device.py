@@ -10,7 +10,8 @@ from spin_batch.config import parse_job
 from conftest import write_jsonl
 
 PROMPTS = ["the quick brown fox", "red green blue red green", "def add(a, b):", "once upon a time", "12 12 12"]
-DEVICE = ["device:autoregressive", "device:ngram", "device:exit2", "device:int8", "device:draft"]
+DEVICE = ["device:autoregressive", "device:ngram", "device:exit2", "device:int8", "device:draft", "device:both",
+          "device:vote"]
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,8 @@ def job(tiny_dir, tiny_draft_dir, tmp_path_factory):
         "drafters": [{"name": "ngram", "kind": "ngram"}, {"name": "exit2", "kind": "early_exit", "layers": 2},
                      {"name": "int8", "kind": "early_exit", "quantize": "int8"},
                      {"name": "draft", "kind": "model", "model": str(tiny_draft_dir)},
-                     {"name": "both", "kind": "cascade", "members": ["ngram", "draft"]}],
+                     {"name": "both", "kind": "cascade", "members": ["ngram", "draft"]},
+                     {"name": "vote", "kind": "vote", "members": ["ngram", "exit2", "draft"]}],
         "spin": {"num_speculative_tokens": 4},
         "sampling": {"max_tokens": 10},
     })
@@ -50,7 +52,7 @@ def test_device_methods_run_in_the_bench_with_identical_greedy_outputs(job):
 
 def test_device_methods_are_checked_before_any_model_loads(job):
     bench.check_methods(DEVICE, job)
-    for bad, why in (("device:both", "unknown bench method"), ("device:nope", "unknown bench method"),
+    for bad, why in (("device:fixed:ngram", "unknown bench method"), ("device:nope", "unknown bench method"),
                      ("device:ngram+prefix", "our loop's methods only")):
         with pytest.raises(ValueError, match=why):
             bench.check_methods([bad], job)

@@ -295,16 +295,6 @@ def test_device_chain_drafts_what_the_host_chain_drafts(target, tiny_dir, tiny_d
         assert drafts[0, 6:].tolist() == [0, 0] and drafts[2].tolist() == [0] * 8
 
 
-def test_device_step_refuses_feature_drafts(target):
-    from spin_batch.drafters.model import FeatureDrafter
-
-    model, tok = target
-    drafter = FeatureDrafter.__new__(FeatureDrafter)
-    drafter.name = "eagle"
-    with pytest.raises(ValueError, match="reads the target's features"):
-        DeviceLoop(model, tok, _settings(2), DeviceDrafting(gamma=4), drafter)
-
-
 @pytest.mark.parametrize("kind", ["other", "exit1"])
 def test_queuing_200_model_chain_steps_reads_nothing_back(target, tiny_dir, tiny_draft_dir, kind):
     model, tok = target

@@ -35,17 +35,42 @@ from ..models.segments import Segments
 
 
 def chain_problem(drafter) -> str | None:
-    """Why a drafter cannot draft on the device step, or None: a token-only Llama-family model draft whose model
-    runs a bucket's forward from device tensors (models/buckets.py)."""
-    if isinstance(drafter, FeatureDrafter):
-        return f"drafter {drafter.name!r} reads the target's features (not on the device step yet)"
+    """Why a model drafter cannot draft on the device step, or None: a Llama-family model draft (token-only, or one
+    that reads the target's features: engine/device_feature.py) whose model runs a bucket's forward from device
+    tensors (models/buckets.py)."""
     if not isinstance(drafter, ModelDrafter) or not isinstance(drafter.model, LlamaModel):
-        return f"drafter {drafter.name!r}: the device step drafts with n-gram or native model drafters only"
+        return (f"drafter {drafter.name!r}: the device step drafts with n-gram or native model drafters, or cascades "
+                "and votes of them, only")
     problem = padded_problem(drafter.model)
     return None if problem is None else f"drafter {drafter.name!r}: {problem}"
 
 
-class DraftChain:
+class StepDraft:
+    """What the device step asks of a drafter: drafts at a bucket's shape, and hooks around the step (each a no-op
+    here). Every method runs on the device with no host read, except admit (outside the step)."""
+
+    reads_features = False  # whether admit wants the target's prefill residuals
+
+    def admit(self, slot: int, ids: list[int], budget: int, hidden: torch.Tensor | None = None) -> None:
+        """A new request in `slot` (prompt `ids`); hidden [len(ids), C]: the target's prefill residuals where
+        reads_features."""
+
+    def draft(self, rows: torch.Tensor, history: torch.Tensor, lengths: torch.Tensor, gamma: torch.Tensor,
+              width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts [B, width] long, counts [B]) for the rows' slots, each at most its gamma."""
+        raise NotImplementedError
+
+    def verified(self, rows: torch.Tensor, start: torch.Tensor, hidden: torch.Tensor, width: int) -> None:
+        """After the verify forward: hidden [B (width + 1), C], the residual of row r's tokens at positions
+        start[r] ..."""
+
+    def committed(self, rows: torch.Tensor, before: torch.Tensor, gamma: torch.Tensor, lengths: torch.Tensor,
+                  live: torch.Tensor, history: torch.Tensor) -> None:
+        """After the commit: before [B], the rows' committed lengths before it; gamma [B], what they drafted up to;
+        lengths, live and history the step state after it."""
+
+
+class DraftChain(StepDraft):
     """A draft model's greedy chains, batched over a bucket's rows; see the module docstring."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, num_layers: int | None, own_cache: bool,
@@ -65,12 +90,14 @@ class DraftChain:
         problem = chain_problem(drafter)
         if problem:
             raise ValueError(problem)
+        if isinstance(drafter, FeatureDrafter):
+            raise ValueError(f"drafter {drafter.name!r} reads the target's features: its chain is a FeatureChain")
         if isinstance(drafter, EarlyExitDrafter):
             return cls(drafter.model, target_cache, drafter.num_layers, own_cache=False)
         return cls(drafter.model, drafter.model.allocate_cache(slots, max_len, drafter.num_layers),
                    drafter.num_layers, own_cache=True, catch_up=catch_up)
 
-    def admit(self, slot: int, ids: list[int], budget: int) -> None:
+    def admit(self, slot: int, ids: list[int], budget: int, hidden: torch.Tensor | None = None) -> None:
         """Prefill a new request's prompt into the draft's own cache (outside the step; nothing read back).
         Nothing to do on the target's cache: the target's prefill wrote it."""
         if not self.own_cache:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..drafters.model import FeatureDrafter
 from ..drafters.ngram import NgramDrafter
 from ..models.buckets import Bucket, BucketGraphs, bucket_of
 from ..selection.policy import Outcome, Policy, StepChoice, StepCosts
@@ -52,8 +53,13 @@ NONE = -1  # a row's drafter index where it drafts nothing
 
 
 def mix_problem(drafter) -> str | None:
-    """Why a drafter cannot draft in a DraftMix, or None: n-gram, or a model chain (device_draft.chain_problem)."""
-    return None if isinstance(drafter, NgramDrafter) else chain_problem(drafter)
+    """Why a drafter cannot draft in a DraftMix, or None: n-gram, or a token-only model chain
+    (device_draft.chain_problem); a draft that reads the target's features drafts alone (device_feature.py)."""
+    if isinstance(drafter, NgramDrafter):
+        return None
+    if isinstance(drafter, FeatureDrafter):
+        return f"drafter {drafter.name!r} reads the target's features: not in a draft mix yet"
+    return chain_problem(drafter)
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,26 @@
 """A greedy step whose state lives on the device, so queuing it never waits on the host.
 
 DeviceLoop decodes a request stream like BatchLoop (engine/loop.py), greedy only, with plain
-decoding, n-gram drafts (chains, or token trees: engine/device_tree.py) or a model drafter's chains
-(engine/device_draft.py), or several drafters at once, each slot with its own drafter and gamma per step,
-given or chosen by a selection policy such as the SPIN bandit (`mix`, `policy`: engine/device_mix.py; the
-chains then run before the step at padded sub-buckets of their own rows, and the policy learns from each
-step's record, one step behind). The token history, lengths, prompt lengths, limits, stop-token table, live
-flags and counters are device tensors, per slot. One step, all on the device:
+decoding, n-gram drafts (chains, or token trees: engine/device_tree.py), a model drafter's chains
+(engine/device_draft.py; engine/device_feature.py for drafts that read the target's features), or a cascade
+or a vote of those (engine/device_compose.py); or several drafters at once, each slot with its own drafter
+and gamma per step, given or chosen by a selection policy such as the SPIN bandit (`mix`, `policy`:
+engine/device_mix.py; the chains then run before the step at padded sub-buckets of their own rows, and the
+policy learns from each step's record, one step behind). The token history, lengths, prompt lengths,
+limits, stop-token table, live flags and counters are device tensors, per slot. One step, all on the device:
 
 1. each live slot's draft, up to its gamma, capped on the device by the room left (context and
    max_tokens): the n-gram lookup over its history (spin_kernels.ngram_draft), or the draft model's
    chain (device_draft.DraftChain: a catch-up forward, then one-row forwards, argmax on the device;
-   its cache rolled back by length arithmetic on the device lengths);
+   its cache rolled back by length arithmetic on the device lengths), or every member's draft of a cascade
+   or a vote, picked per row on the device;
 2. the verify forward at a padded bucket (models/buckets.py): B rows (the slots the host believes
    live, padded with rows of a scratch slot) of G + 1 tokens, inputs gathered from the history;
    the final norm, the LM head and a batched argmax on every row;
 3. the accept and commit kernel (spin_kernels.accept_commit): first mismatch, append, EOS / stop
    token / length cuts, lengths, live flags, counters, and a small int32 record per slot.
+The drafter's hooks run in the step too: a feature-reading draft keeps the verify rows' features, a vote's
+weights learn from the committed tokens.
 
 Where the target runs on the Triton kernels, steps 1 and 3 are the Triton kernels, else their torch
 references (also without a host read). On CUDA the whole step is replayed from a graph per bucket.
@@ -36,9 +40,11 @@ string costs at most one wasted step, cut on the host.
 Admission (prefill of the prompt and the first token) runs on the host's schedule between steps and
 reads its first token at once: it is outside the step (a draft model with a cache of its own prefills
 the prompt there too). What the device step does not do yet: sampling, logprobs, logits controls, stop
-strings before min_tokens, n > 1, prefix caching, drafts that read the target's features, model drafters'
-token trees, trees in a mix, the confidence gate (the n-gram gate's caps are taken from the n-gram drafter
-once, at construction, and not in a mix; model drafters draft without a gate).
+strings before min_tokens, n > 1, prefix caching, grammars, model drafters' token trees, trees, feature
+drafts, cascades and votes in a mix, the confidence gate (the n-gram gate's caps are taken from the n-gram
+drafter once, at construction, and not in a mix; model drafters draft without a gate and without lookahead),
+a cascade's and a vote's counters (drafted_by, overrides); drafts whose model is not a native Llama-family
+model on the C or Triton kernels are refused.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafters.model import ModelDrafter
+from ..drafters.base import Drafter
 from ..drafters.ngram import NgramDrafter
 from ..models.buckets import DRAFT_BUCKETS, SLOT_BUCKETS, Bucket, BucketGraphs, PaddedSegments, bucket_of, \
     padded_hidden, padded_problem, step_ops
@@ -57,7 +63,8 @@ from ..models.cache import KVCache
 from ..models.cpu_decoder import argmax
 from ..models.segments import Segments
 from ..records import Completion, Request
-from .device_draft import DraftChain
+from .device_compose import step_draft
+from .device_draft import StepDraft
 from .device_mix import DraftMix, MixStep
 from .device_tree import TreeStep
 from .settings import LoopSettings, refusal, request_settings
@@ -93,7 +100,8 @@ def host_reads():
 @dataclass(frozen=True)
 class DeviceDrafting:
     """What every slot drafts with: nothing (gamma 0), or gamma tokens of the n-gram lookup with these settings
-    (min_ngram, max_ngram, min_prob) or of the model drafter given to DeviceLoop."""
+    (min_ngram, max_ngram, min_prob) or of the drafter given to DeviceLoop (a model, a cascade or a vote; an
+    n-gram member's gate takes min_prob, its lookup its drafter's own settings)."""
 
     gamma: int = 0
     min_ngram: int = 1
@@ -136,7 +144,7 @@ class DeviceLoop:
     """Greedy decoding with device-owned step state; see the module docstring."""
 
     def __init__(self, target, tokenizer, settings: LoopSettings, drafting: DeviceDrafting = DeviceDrafting(),
-                 drafter: NgramDrafter | ModelDrafter | None = None, graphs: bool | None = None,
+                 drafter: Drafter | None = None, graphs: bool | None = None,
                  slot_buckets: tuple[int, ...] = SLOT_BUCKETS, draft_buckets: tuple[int, ...] = DRAFT_BUCKETS,
                  mix=None, policy=None):
         problem = padded_problem(target) or _settings_problem(settings)
@@ -176,8 +184,9 @@ class DeviceLoop:
                     else self.width for n in range(drafting.max_ngram + 1)]
         self.keep = torch.tensor(keep, **i64)
         self.commit_op, self.ngram_op = step_ops(target)
-        self.chain = None if drafter is None or isinstance(drafter, NgramDrafter) or not drafting.gamma else \
-            DraftChain.of(drafter, self.cache, P, L)  # a model drafter's chains, on its cache or the target's
+        self.chain: StepDraft | None = None if drafter is None or isinstance(drafter, NgramDrafter) or \
+            not drafting.gamma else step_draft(drafter, target, self.cache, P, L, self.width, drafting.min_prob,
+                                               self.ngram_op)  # a model's chains, a cascade's or a vote's members
         self.name = drafter.name if drafter is not None and drafting.gamma else drafting.name  # drafter_pulls' key
         self.graphs = BucketGraphs(dev, target.device.type == "cuda" if graphs is None else graphs)
         # several drafters, each slot with its own drafter and gamma (engine/device_mix.py), up to drafting.gamma
@@ -256,11 +265,15 @@ class DeviceLoop:
         tokens = torch.cat([last, drafts], 1).reshape(-1)  # [B (G + 1)]
         seg = PaddedSegments(rows, (n - 1).clamp(min=0), G)
         h = padded_hidden(self.target, tokens, seg, self.cache)
+        if self.chain is not None:  # a feature-reading draft keeps the target's features
+            self.chain.verified(rows, (n - 1).clamp(min=0), h, G)
         best = argmax(self.target.logits(h)).view(B, G + 1)
         if self.replay is not None:
             best = self.replay.verdicts(rows, drafts, best)
         self.commit_op(rows, drafts, counts, best, self.history, self.lengths, self.prompt_lens, self.max_tokens,
                        self.max_len, self.stops, self.live, self.counters, self.record)
+        if self.chain is not None:  # a vote's weights learn from the committed tokens
+            self.chain.committed(rows, n, gamma, self.lengths, self.live, self.history)
 
     def collect(self) -> list[Completion]:
         """Read the oldest queued step's record (waiting for it), update the mirrors; the requests it finished."""
@@ -308,12 +321,16 @@ class DeviceLoop:
                      (self.max_len, rule.max_model_len), (self.live, 1), (self.counters, 0)):
             t[idx] = v
         budget = max(self.cfg.max_num_batched_tokens, 1)
+        features = self.chain is not None and self.chain.reads_features
+        hidden = []  # the prompt's residuals, for a draft that reads the target's features
         for a in range(0, n, budget):
             b = min(a + budget, n)
             seg = Segments.build([(idx, b - a, a)], dev)
-            logits = self.target.forward(torch.as_tensor(ids[a:b], device=dev), seg, self.cache, [b - a - 1])
+            logits, h = self.target.forward_with_hidden(torch.as_tensor(ids[a:b], device=dev), seg, self.cache,
+                                                        [b - a - 1])
+            hidden += [h] if features else []
         if self.chain is not None:
-            self.chain.admit(idx, ids, budget)
+            self.chain.admit(idx, ids, budget, torch.cat(hidden) if features else None)
         if self.mix is not None:
             self.mix.admit(idx, ids, budget)
             self.mix.on_admit(idx, req.id)

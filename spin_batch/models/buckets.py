@@ -116,18 +116,18 @@ def padded_problem(model) -> str | None:
 
 
 def padded_hidden(model, tokens: torch.Tensor, seg: PaddedSegments, cache,
-                  layers: int | None = None) -> torch.Tensor:
+                  layers: int | None = None, extra: torch.Tensor | None = None) -> torch.Tensor:
     """The residual [B (G + 1), C] of a bucket's forward: the first `layers` layers (default all), K/V written, no
-    host read."""
+    host read. extra [B (G + 1), X]: the rows' extra inputs (a draft that reads the target's features)."""
     layers = layers or model.spec.num_layers
     if model.kernels:  # not model.hidden: its per-shape graphs would capture inside the bucket's graph
         trees = (seg.rows, seg.bits) if seg.has_trees else ()
-        return model.kernel_hidden(model._embed(tokens, None), seg.packed_index(), seg.width + 1, cache, layers,
+        return model.kernel_hidden(model._embed(tokens, extra), seg.packed_index(), seg.width + 1, cache, layers,
                                    *trees)
     problem = padded_problem(model)
     if problem:
         raise ValueError(problem)
-    return model.hidden(tokens, seg, cache, layers)
+    return model.hidden(tokens, seg, cache, layers, extra)
 
 
 def step_ops(model):
