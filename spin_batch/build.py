@@ -210,7 +210,7 @@ def loop_settings(job: JobConfig, eos: frozenset[int], device: torch.device,
     """The loop's settings from the job; ``generation``: the model's generation defaults
     (generation_defaults), which OpenAI lines' omitted fields take with sampling.openai_defaults: model."""
     s = job.sampling
-    pipeline = job.spin.pipeline == "on" or (job.spin.pipeline == "auto" and device.type == "cuda")
+    pipeline = job.spin.pipeline == "on"  # auto: off (docs/gpu.md: two target forwards a step never paid)
     return LoopSettings(
         slots=job.batch.slots,
         max_model_len=job.batch.max_model_len,

@@ -106,6 +106,9 @@ def check_models(job: JobConfig) -> list[str]:
             if d.quantize != "none" and backend != loader.NATIVE:
                 problems.append(f"drafters.{d.name}: quantize: {d.quantize} copies a native target's weights "
                                 "(target.backend: auto or native)")
+            elif d.quantize != "none" and device.type == "cuda":
+                problems.append(f"drafters.{d.name}: quantize: {d.quantize} has no int8 kernel on CUDA (it would "
+                                "round in float, costing more than the target): drop this drafter on a GPU")
             elif d.quantize != "none" and device.type == "cpu" and loader.DTYPES[target.dtype] not in (
                     torch.float32, torch.bfloat16):
                 problems.append(f"drafters.{d.name}: quantize: {d.quantize} runs on the C int8 GEMM with a float32 "

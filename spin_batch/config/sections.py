@@ -228,7 +228,7 @@ class SpinConfig:
 
     selector: str = "auto"
     num_speculative_tokens: int = 4
-    pipeline: Literal["auto", "on", "off"] = "auto"  # auto: on for CUDA, off on CPU
+    pipeline: Literal["auto", "on", "off"] = "auto"  # auto: off (no measured case where it pays: docs/gpu.md)
     # model drafters stop a chain where their own confidence no longer pays for a verified token
     confidence_gate: bool = True
     # the bandits speculate at a step only while speculating steps measure more goodput than plain ones
