@@ -5,7 +5,8 @@
 # runs it after the demo bench (spin-batch installed there); it runs alone too, from the repository root.
 # Writes $OUT/speed-<shape>.json and .md (rewritten after each slot count, so a timeout keeps what ran),
 # $OUT/speed-<shape>.log, and a line per shape in $OUT/status.txt.
-# Time: each shape starts no point after GPU_BENCH_SPEED_S seconds (60) and is stopped at twice that.
+# Time: each shape starts no point after GPU_BENCH_SPEED_S seconds (25) and is stopped at twice that plus 60;
+# GPU_BENCH_SPEED_SHAPES picks the shapes (both by default).
 # GPU_BENCH_DRY=1: the tiny shape on the CPU, a few steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,13 +14,13 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 if [ -x "${SPIN_BATCH_VENV:-.venv}/bin/python" ]; then PY="${SPIN_BATCH_VENV:-.venv}/bin/python"; fi
-BUDGET=${GPU_BENCH_SPEED_S:-60}
+BUDGET=${GPU_BENCH_SPEED_S:-25}
 if [ "${GPU_BENCH_DRY:-0}" = 1 ]; then
   export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
   SHAPES=tiny
   ARGS=(--device cpu --dtype float32 --slots 1 --steps 2 --accept 0,4)
 else
-  SHAPES="llama-3.2-1b llama-3.1-8b"
+  SHAPES=${GPU_BENCH_SPEED_SHAPES:-llama-3.2-1b llama-3.1-8b}
   ARGS=(--device cuda --dtype bfloat16 --slots 1,16 --steps 16 --gamma 4 --accept 0,2,4)
 fi
 for shape in $SHAPES; do
