@@ -30,6 +30,8 @@ PY=${PYTHON:-python3}
 if [ -x "${SPIN_BATCH_VENV:-.venv}/bin/python" ]; then PY="${SPIN_BATCH_VENV:-.venv}/bin/python"; fi
 start=$(date +%s)
 log() { echo "gpu_bench [$(($(date +%s) - start))s]: $*"; }
+# summary.json after every step, so a run stopped from outside still leaves what it measured
+summary() { "$PY" scripts/gpu_bench.py "$OUT" --summary >/dev/null 2>&1 || true; }
 
 if [ "$DRY" != 1 ]; then
   unset TRITON_INTERPRET
@@ -60,6 +62,7 @@ else
   timeout "${GPU_BENCH_PY_S:-120}" "$PY" scripts/gpu_bench.py "$OUT"
 fi
 echo "device_step: rc=$?" >"$OUT/status.txt"
+summary
 
 # the demo job plus an early-exit drafter (paths in it stay relative to the repository root, the working folder)
 "$PY" - "$OUT/demo-device.yaml" <<'PYEOF' || exit 1
@@ -87,6 +90,7 @@ for dtype in $DTYPES; do
     --methods "$METHODS" --set "target.dtype=$dtype" --no-progress --out "$OUT/bench-$dtype" \
     >"$OUT/bench-$dtype.log" 2>&1
   echo "bench-$dtype: rc=$?" >>"$OUT/status.txt"
+  summary
 done
 
 log "speed-only bench (random weights, replayed acceptance)"

@@ -132,7 +132,8 @@ class DeviceMethod:
     def __init__(self, engine: Engine, method: str, job: JobConfig):
         self.method = method
         name, gamma = method.removeprefix(DEVICE_PREFIX), job.spin.num_speculative_tokens
-        cfg = {d.name: d for d in job.drafters}.get(name)  # None: device:autoregressive or device:spin
+        # None: device:autoregressive or device:spin (device:spin is the mix, whatever the drafters are named)
+        cfg = None if method == DEVICE_SPIN else {d.name: d for d in job.drafters}.get(name)
         drafter = None if cfg is None else engine.loop.drafters[name]
         mix = policy = None
         if method == DEVICE_SPIN:  # every drafter, each slot's chosen by the bandit (no selection memory, no gate)

@@ -13,7 +13,7 @@ from .drafters.early_exit import check_layers
 from .io.checks import check_columns, check_input
 from .io.rows import input_spec
 from .io.shards import InputError, list_shards
-from .models import capacity, loader
+from .models import capacity, cpu_decoder, loader
 from .models.distilled import check_pairing, draft_meta
 from .models.hf_arch import read_config_json
 from .models.spec import window_problem
@@ -48,6 +48,9 @@ def quantize_problems(job: JobConfig, backend: str, device: torch.device) -> lis
     if backend != loader.NATIVE or device.type != "cpu" or t.kernels not in ("auto", "c"):
         problems.append(f"target.quantize: {t.quantize} runs on the C int8 GEMM: the native backend on CPU with "
                         f"target.kernels auto or c (here: backend {backend}, device {device.type}, kernels {t.kernels})")
+    elif loader.resolve_execution(t.kernels, device).cpu == "torch" or cpu_decoder.library() is None:
+        problems.append(f"target.quantize: {t.quantize} runs on the C int8 GEMM, and the C kernels do not run here "
+                        f"({loader.ENV_CPU}=off, or no C compiler: `spin-batch env` says which)")
     if t.dtype != "auto" and loader.DTYPES[t.dtype] not in (torch.float32, torch.bfloat16):
         problems.append(f"target.quantize: {t.quantize} quantizes float32 or bfloat16 weights; target.dtype is {t.dtype}")
     problems += [f"drafters.{d.name}: quantize: {d.quantize} is the target's own int8 copy, and with target.quantize: "

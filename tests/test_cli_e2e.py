@@ -724,7 +724,7 @@ def test_validate_ok_and_input_problems(tmp_path, tiny_dir):
     assert "1 bad row (invalid JSON)" in result.output, result.output
 
 
-def test_validate_model_checks(tmp_path, tiny_dir, tiny_draft_dir, other_tokenizer_model_dir):
+def test_validate_model_checks(tmp_path, tiny_dir, tiny_draft_dir, other_tokenizer_model_dir, monkeypatch):
     src = write_jsonl(tmp_path / "in" / "prompts.jsonl", prompt_rows(3))
 
     def job_with(name: str, drafters: list[dict], model: Path = tiny_dir) -> Path:
@@ -781,6 +781,11 @@ def test_validate_model_checks(tmp_path, tiny_dir, tiny_draft_dir, other_tokeniz
         job, _ = make_job(tmp_path, tiny_dir, [src], name=name, target=target, drafters=drafters)
         result = _validate(job)
         assert result.exit_code != 0 and says in result.output, (name, _describe(result))
+    with monkeypatch.context() as m:  # kernels auto, but the C kernels held off: refused before any weight loads
+        m.setenv("SPIN_BATCH_CPU_GEMM", "off")
+        job, _ = make_job(tmp_path, tiny_dir, [src], name="t8off", target={"quantize": "int8"})
+        result = _validate(job)
+        assert result.exit_code != 0 and "the C kernels do not run here" in result.output, _describe(result)
 
     no_model = job_with("nomodel", [], model=tmp_path / "no-such-model")
     result = _validate(no_model)

@@ -64,7 +64,7 @@ def _run_mixed(loop, tok, reqs, choose) -> dict:
     return {c.request.id: c for c in done}
 
 
-@pytest.mark.parametrize("slots", [1, 4, 16])
+@pytest.mark.parametrize("slots", [1, 4, 6, 16])
 def test_random_drafters_per_slot_equal_autoregressive(target, tiny_dir, tiny_draft_dir, slots):
     """Every step, each slot a random drafter among n-gram, an own-cache draft, an early exit and the int8 copy (or
     none) at a random gamma: the same tokens as plain decoding, every drafter verified and some accepted."""

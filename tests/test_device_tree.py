@@ -46,7 +46,7 @@ def _host_trees(target, settings, gamma: int, nodes: int) -> BatchLoop:
                      model.allocate_cache(settings.slots, settings.max_model_len))
 
 
-@pytest.mark.parametrize("slots", [1, 4, 16])
+@pytest.mark.parametrize("slots", [1, 4, 6, 16])
 def test_device_trees_equal_autoregressive_and_the_host_trees(target, slots):
     """The output is BatchLoop's autoregressive output; and the trees and accepted paths are BatchLoop's n-gram
     trees': per request the same nodes drafted and the same drafts accepted. Trees do branch: more nodes than the

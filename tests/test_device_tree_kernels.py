@@ -142,6 +142,19 @@ def test_tree_walk_ref_equals_greedy_walk(seed):
         assert path[r, :kk].tolist() == [1 + n for n in p] and path[r, kk:].tolist() == list(range(kk + 1, depth + 1))
 
 
+def test_tree_walk_ref_accepts_the_last_node_of_a_63_node_tree():
+    """Node 62 is bit 63 of the ancestor masks, int64's sign bit: a root whose argmax is that node's token
+    accepts it (a right shift that kept the sign once left a stray bit there and accepted nothing)."""
+    T = 63
+    tokens = torch.arange(T, dtype=torch.long)[None] + 100  # every node a child of the root, distinct tokens
+    parents = torch.full((1, T), -1, dtype=torch.long)
+    best = torch.zeros(1, T + 1, dtype=torch.long)
+    for node in (61, 62):
+        best[0, 0] = 100 + node
+        drafts, _, path, k = tree_walk_ref(tokens, parents, torch.tensor([T]), best, 4)
+        assert int(k[0]) == 1 and int(drafts[0, 0]) == 100 + node and int(path[0, 0]) == 1 + node, node
+
+
 @needs_triton
 @pytest.mark.parametrize("seed", range(6))
 def test_tree_walk_kernel_equals_the_reference(seed):

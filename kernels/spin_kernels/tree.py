@@ -172,7 +172,8 @@ def tree_walk_ref(tokens, parents, counts, best, depth: int):
     bits, level = tree_layout(parents)
     mask = torch.bitwise_left_shift(torch.ones_like(i), i)  # node i's bit, as a node mask
     good = (first.long() * mask).sum(1, keepdim=True)  # [B, 1]: the nodes that are their parent's pick
-    nodes = torch.bitwise_right_shift(bits[:, 1:], 1)  # [B, T]: each node's ancestors and itself, as nodes
+    # [B, T]: each node's ancestors and itself, as nodes (the shift keeps int64's sign: bit 63, node 62's, is cleared)
+    nodes = torch.bitwise_right_shift(bits[:, 1:], 1) & 0x7FFF_FFFF_FFFF_FFFF
     level = level[:, 1:]
     on = real & ((nodes & ~good) == 0) & (level <= depth)  # every node from the root down to it is picked
     k = on.long().sum(1)

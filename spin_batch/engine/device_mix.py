@@ -159,8 +159,8 @@ class DraftMix:
         pin = dev.type == "cuda"
         C = len(self.chains)
         # per row: drafter index; per chain: its rows' slots, its rows' gammas
-        self.inputs = torch.full((1 + 2 * C, P), NONE, dtype=torch.long, device=dev)
-        self.inputs_host = [torch.zeros(1 + 2 * C, P, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.inputs = torch.full((1 + 2 * C, loop.row_width), NONE, dtype=torch.long, device=dev)
+        self.inputs_host = [torch.zeros(1 + 2 * C, loop.row_width, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self.times = ReplayTimes(dev)
         self.slot_buckets, self.draft_buckets = loop.slot_buckets, loop.draft_buckets
         self.policy = policy

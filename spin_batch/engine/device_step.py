@@ -156,6 +156,8 @@ class DeviceLoop:
         self.tree = TreeStep.of(target, drafting, drafter)  # None: chains
         if self.tree is not None and mix is not None:
             raise ValueError("device step: token trees draft with one n-gram drafter, not in a draft mix")
+        if drafter is not None and mix is not None:
+            raise ValueError("device step: one drafter for every slot, or a draft mix, not both")
         bucket_of(settings.slots, 0, slot_buckets, draft_buckets)  # raises if the slots outgrow the buckets
         self.P = P = settings.slots + 1  # slot P - 1: the scratch slot of padding rows
         dev = self.device = target.device
@@ -174,8 +176,10 @@ class DeviceLoop:
         self.record = torch.zeros(P, HEAD + self.width + 1, dtype=torch.int32, device=dev)
         self.first_record = torch.zeros_like(self.record)  # admissions' first tokens
         pin = dev.type == "cuda"
-        self.inputs = torch.zeros(2, P, **i64)  # rows' slots, rows' gammas
-        self.inputs_host = [torch.zeros(2, P, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        # rows' slots, rows' gammas: as many rows as the widest bucket the slots can ask for (5 slots: 8 rows)
+        self.row_width = max(P, bucket_of(settings.slots, 0, slot_buckets, draft_buckets).rows)
+        self.inputs = torch.zeros(2, self.row_width, **i64)
+        self.inputs_host = [torch.zeros(2, self.row_width, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self.records_host = [torch.zeros(P, HEAD + self.width + 1, dtype=torch.int32, pin_memory=pin)
                              for _ in range(2)]
         keep = [self.width] * (drafting.max_ngram + 1)
