@@ -496,6 +496,10 @@ def env(job_path, overrides):
         if loader.resolve_backend(backend, model_dir) == loader.TRANSFORMERS:
             click.echo(f"{name}\tthe transformers backend: transformers' layers, our attention (no CPU plan)")
             continue
+        if name == "target" and job.target.quantize != "none":
+            click.echo(f"{name}\t{job.target.quantize} weights and inputs (target.quantize, from its {dtype} "
+                       "checkpoint): layers and LM head on the C int8 GEMM")
+            continue
         p = cpu_plan.plan(loader.read_spec(model_dir), loader.DTYPES[dtype], device, loop, execution)
         click.echo(f"{name}\tlayers {p.layers}, LM head {p.lm_head} ({dtype}): {p.why}")
         if p.ms:

@@ -117,6 +117,9 @@ def test_the_plan_is_in_the_summary(tmp_path, tiny_dir):
     assert backends["target"]["overridden_by"] == ["SPIN_BATCH_CPU_GEMM=on"]  # the environment (conftest) wins
     res = CliRunner().invoke(main, ["env", str(job)])
     assert res.exit_code == 0 and "c kernels" in res.output and "target\tlayers c" in res.output, res.output
+    res = CliRunner().invoke(main, ["env", str(job), "--set", "target.quantize=int8"])  # the int8 target: no float plan
+    assert res.exit_code == 0 and "target\tint8 weights and inputs" in res.output, res.output
+    assert "target\tlayers" not in res.output
 
 
 def _job(tmp_path: Path, model_dir: Path, dtype: str) -> Path:
