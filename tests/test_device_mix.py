@@ -12,7 +12,8 @@ from spin_batch.drafters.ngram import NgramDrafter
 from spin_batch.engine.device_mix import ReplayTimes
 from spin_batch.engine.device_step import DeviceDrafting, DeviceLoop
 from spin_batch.selection.bandit import BanditPolicy
-from test_device_step import MANY, _batch_loop, _model_drafter, _queue_200_steps, _requests, _run, _same, _settings
+from test_device_step import MANY, _batch_loop, _model_drafter, _queue_200_steps, _random_steps, _requests, _run, _same, \
+    _settings
 from test_device_step import target  # noqa: F401  (the module's fixture)
 
 
@@ -150,20 +151,8 @@ def test_a_mix_over_500_random_steps_keeps_its_inventories_small(target, tiny_di
     model, tok = target
     mix = _mix(target, tiny_dir, tiny_draft_dir, ("ngram", "other", "exit1"))
     loop = DeviceLoop(model, tok, _settings(16, max_model_len=160), DeviceDrafting(gamma=8), mix=mix)
-    rng = random.Random(1)
     choose = RandomChoices(mix, 2)
-    stream = iter(_requests(MANY * 40, [rng.randint(1, 40) for _ in range(len(MANY) * 40)]))
-    done, occupancy = 0, 1
-    for t in range(500):
-        if t % 25 == 0:
-            occupancy = rng.randint(1, 16)
-        while sum(s is not None for s in loop.slots) < occupancy:
-            r = next(stream)
-            loop.admit(r, tok.encode(r.prompt))
-        if any(s is not None and not s.done for s in loop.slots):
-            loop.queue(*reversed(choose(loop)))
-        if loop.queued and (len(loop.queued) > 1 or not any(s is not None and not s.done for s in loop.slots)):
-            done += len(loop.collect())
+    done = _random_steps(loop, tok, lambda live, rng: loop.queue(*reversed(choose(loop))))
     assert done > 50 and loop.steps > 400
     stats = loop.stats()
     assert len(stats["asked"]) <= 15 and len({k.split("x")[0] for k in stats["asked"]}) >= 3

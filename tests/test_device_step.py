@@ -75,11 +75,10 @@ def test_device_step_equals_autoregressive(target, slots, gamma):
         assert sum(c.num_accepted_draft_tokens for c in got.values()) > 0
 
 
-def test_device_step_stops_like_the_loop(target):
-    """EOS and stop token ids (cut on the device), stop strings (on the host), per-row max_tokens and the context
-    limit: the same tokens, texts and finish reasons."""
+def _stop_case(target) -> tuple[LoopSettings, list[int | None]]:
+    """Settings that end completions early and per-row max_tokens (None: the job's 20): the tokens the target
+    emits most made EOS, a stop id and a stop string, and a short context."""
     model, tok = target
-    # the tokens the target emits most: making them EOS / stop ids makes completions end early
     free = _run(_batch_loop(target, _settings(4)), tok, _requests(MANY))
     counts: dict[int, int] = {}
     for c in free.values():
@@ -90,7 +89,43 @@ def test_device_step_stops_like_the_loop(target):
                          stop_token_ids=frozenset({common[3]}), stop=(tok.decode([common[5]]).strip() or "e",),
                          max_model_len=72)
     rng = random.Random(0)
-    limits = [None if i % 3 == 0 else rng.randint(1, 10) for i in range(len(MANY))]  # None: the job's 20
+    return settings, [None if i % 3 == 0 else rng.randint(1, 10) for i in range(len(MANY))]
+
+
+def _random_steps(loop, tok, queue, steps: int = 500) -> int:
+    """Drives loop `steps` steps over 1-16 busy slots (redrawn every 25 steps: requests of random lengths finish
+    and others take their places); queue(live, rng) queues each step. The requests finished."""
+    rng = random.Random(1)
+    done = 0
+    stream = iter(_requests(MANY * 40, [rng.randint(1, 40) for _ in range(len(MANY) * 40)]))
+    occupancy = 1
+    for t in range(steps):
+        if t % 25 == 0:
+            occupancy = rng.randint(1, 16)  # how many slots the stream keeps busy for a while
+        while sum(s is not None for s in loop.slots) < occupancy:
+            r = next(stream)
+            loop.admit(r, tok.encode(r.prompt))
+        live = [s for s in loop.slots if s is not None and not s.done]
+        if live:
+            queue(live, rng)
+        if loop.queued and (len(loop.queued) > 1 or not live):
+            done += len(loop.collect())
+    return done
+
+
+def _random_gammas(loop):
+    """_random_steps' queue: a random gamma per live slot and step, up to 0, 3 or 8."""
+    def queue(live, rng):
+        most = rng.choice([0, 3, 8])
+        loop.queue([rng.randint(0, most) for _ in live])
+    return queue
+
+
+def test_device_step_stops_like_the_loop(target):
+    """EOS and stop token ids (cut on the device), stop strings (on the host), per-row max_tokens and the context
+    limit: the same tokens, texts and finish reasons."""
+    model, tok = target
+    settings, limits = _stop_case(target)
     want = _run(_batch_loop(target, settings), tok, _requests(MANY, limits))
     assert {c.finish_reason for c in want.values()} == {"stop", "length"}
     for gamma in (0, 8):
@@ -180,22 +215,7 @@ def test_a_device_loop_over_500_steps_asks_for_at_most_15_shapes(target):
     and step (0 included), drafts accepted at random: the step bodies the graphs are asked for are buckets."""
     model, tok = target
     loop = DeviceLoop(model, tok, _settings(16, max_model_len=160), DeviceDrafting(gamma=8))
-    rng = random.Random(1)
-    done = 0
-    stream = iter(_requests(MANY * 40, [rng.randint(1, 40) for _ in range(len(MANY) * 40)]))
-    occupancy = 1
-    for t in range(500):
-        if t % 25 == 0:
-            occupancy = rng.randint(1, 16)  # how many slots the stream keeps busy for a while
-        while sum(s is not None for s in loop.slots) < occupancy:
-            r = next(stream)
-            loop.admit(r, tok.encode(r.prompt))
-        live = [s for s in loop.slots if s is not None and not s.done]
-        if live:
-            most = rng.choice([0, 3, 8])
-            loop.queue([rng.randint(0, most) for _ in live])
-        if loop.queued and (len(loop.queued) > 1 or not live):
-            done += len(loop.collect())
+    done = _random_steps(loop, tok, _random_gammas(loop))
     assert done > 50 and loop.steps > 400
     asked = loop.graphs.asked
     assert len(asked) <= 15 and len({b.rows for b in asked}) >= 3  # the step's shape did vary

@@ -4,7 +4,6 @@ and a bounded set of bucket shapes."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
@@ -15,7 +14,8 @@ from spin_batch.models import execution
 from spin_batch.models.buckets import Bucket
 from spin_batch.models.loader import load_model, load_tokenizer
 from spin_batch.selection.policy import Choice, Policy, StepChoice
-from test_device_step import MANY, _batch_loop, _queue_200_steps, _requests, _run, _same, _settings
+from test_device_step import MANY, _batch_loop, _queue_200_steps, _random_steps, _requests, _run, _same, _settings, \
+    _stop_case, _random_gammas
 
 REPETITIVE = ["a b a c a b a c a b a d a b", "x y z x y w x y z x y w x", "1 2 3 1 2 4 1 2 3 1 2 4 1 2",
               "the cat the dog the cat the dog the"]
@@ -75,17 +75,7 @@ def test_device_trees_equal_autoregressive_and_the_host_trees(target, slots):
 def test_device_trees_stop_like_the_loop(target):
     """EOS and stop token ids, stop strings, per-row max_tokens and the context limit, with trees."""
     model, tok = target
-    free = _run(_batch_loop(target, _settings(4)), tok, _requests(MANY))
-    counts: dict[int, int] = {}
-    for c in free.values():
-        for t in c.token_ids:
-            counts[t] = counts.get(t, 0) + 1
-    common = sorted(counts, key=lambda t: -counts[t])
-    settings = _settings(4, eos_token_ids=frozenset({common[0]}), ignore_eos=False,
-                         stop_token_ids=frozenset({common[3]}), stop=(tok.decode([common[5]]).strip() or "e",),
-                         max_model_len=72)
-    rng = random.Random(0)
-    limits = [None if i % 3 == 0 else rng.randint(1, 10) for i in range(len(MANY))]
+    settings, limits = _stop_case(target)
     want = _run(_batch_loop(target, settings), tok, _requests(MANY, limits))
     got = _run(DeviceLoop(model, tok, settings, DeviceDrafting(gamma=8, nodes=16)), tok, _requests(MANY, limits))
     _same(want, got)
@@ -118,21 +108,7 @@ def test_tree_steps_over_500_steps_ask_for_a_bounded_set_of_shapes(target):
     {chain width 0, the tree's node bucket}."""
     model, tok = target
     loop = DeviceLoop(model, tok, _settings(16, max_model_len=160), DeviceDrafting(gamma=8, nodes=16))
-    rng = random.Random(1)
-    stream = iter(_requests(MANY * 40, [rng.randint(1, 40) for _ in range(len(MANY) * 40)]))
-    occupancy, done = 1, 0
-    for t in range(500):
-        if t % 25 == 0:
-            occupancy = rng.randint(1, 16)
-        while sum(s is not None for s in loop.slots) < occupancy:
-            r = next(stream)
-            loop.admit(r, tok.encode(r.prompt))
-        live = [s for s in loop.slots if s is not None and not s.done]
-        if live:
-            most = rng.choice([0, 3, 8])
-            loop.queue([rng.randint(0, most) for _ in live])
-        if loop.queued and (len(loop.queued) > 1 or not live):
-            done += len(loop.collect())
+    done = _random_steps(loop, tok, _random_gammas(loop))
     asked = loop.graphs.asked
     assert done > 50 and loop.steps > 400
     assert len(asked) <= 10 and len({b.rows for b in asked}) >= 3

@@ -23,14 +23,7 @@ from spin_batch.models.cpu_decoder import tree_bits  # noqa: E402
 from spin_batch.models.segments import tree_depths  # noqa: E402
 from spin_kernels.ngram_tree import ngram_tree  # noqa: E402
 from spin_kernels.tree import keep_path_ref, tree_layout, tree_walk_ref  # noqa: E402
-
-HAVE_TRITON = True
-try:
-    import triton  # noqa: F401
-except Exception:  # pragma: no cover
-    HAVE_TRITON = False
-
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+from test_device_kernels import needs_triton  # noqa: E402
 
 
 # -- the n-gram trie ----------------------------------------------------------------------------

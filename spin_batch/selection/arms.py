@@ -73,10 +73,9 @@ class Calibration:
     one batch size: the factor on its predicted draft tokens (joint.chain_gain).
 
     The joint choice drafts where a request's posterior mean makes a chain pay, and among many slots and
-    drafters it picks the means that came out high: at 16 slots (demo job, cap 8) the distilled drafts it
-    chose were predicted 2.1-2.5 tokens a step at their means and made 1.4-1.9, a chain that seemed to pay
-    where it did not. At 1 slot, with one request and the int8 copy, predictions held. Decayed sums, with
-    CALIBRATION_PRIOR predicted tokens at factor 1 so that a few steps move it little."""
+    drafters it picks the means that came out high, so its predictions run high where it chooses among many
+    (docs/selection.md, "Why the bandit is built so"). Decayed sums, with CALIBRATION_PRIOR predicted tokens at
+    factor 1 so that a few steps move it little."""
 
     realized: float = 0.0
     predicted: float = 0.0
@@ -98,15 +97,8 @@ class Spread:
     measured on finished requests by the method of moments of the beta-binomial: the spread of their
     observed rates beyond what sampling alone gives. With n_r observations at rate p_r over R
     requests, S = sum n_r (p_r - P)^2 has expectation P(1 - P) (R - 1 + rho (N - sum n_r^2 / N)),
-    rho = 1 / (kappa + 1), N = sum n_r. Measured on the demo job at 1 slot (32 requests each): the int8
-    copy of the target 0.96 with kappa about 100 (its requests at 0.88 to 1.0), a distilled draft 0.41
-    with about 21, the n-gram/draft cascade 0.51 with about 11. At the fixed strength of 6, one
-    rejected first token took a request's copy from 0.97 to 0.83, and the request drafted with the
-    distilled drafts, at about half the goodput, for the rest of its length. Measured from 4 requests
-    on: in simulation, a drafter like the copy then reads at least 39 in 9 cases of 10 (at least 42 from
-    8), while one that differs like the distilled drafts (21) reads 100 in a quarter of the cases (a
-    tenth from 8); such a request then follows the pool more than it should, which costs far less than
-    the copy left behind, and the estimate settles as requests finish."""
+    rho = 1 / (kappa + 1), N = sum n_r. Why a measured strength and not a fixed one: docs/selection.md
+    ("Why the bandit is built so")."""
 
     def __init__(self) -> None:
         self.requests = 0
